@@ -1,0 +1,118 @@
+"""A case: one model, one fixed batch, one granularity, one dtype regime, one seed.
+
+Cases are plain frozen data with a JSON form, so a failure can be written
+into a report and replayed exactly (``gradequiv check --case '<json>'``).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field, fields, replace
+from typing import Any
+
+from gradequiv.models import (
+    BatchConfig,
+    BatchNormConfig,
+    Granularity,
+    InvalidArgument,
+    ModelConfig,
+    TransformerConfig,
+    parse_granularity,
+)
+
+#: Precision regimes. Autocast ones keep fp32 weights and fp32 gradients.
+DTYPES = ("fp32", "bf16-autocast", "fp16-autocast")
+CUDA_ONLY_DTYPES = ("fp16-autocast",)
+
+_MODEL_KINDS: dict[str, type[TransformerConfig] | type[BatchNormConfig]] = {
+    "transformer": TransformerConfig,
+    "batchnorm": BatchNormConfig,
+}
+
+
+@dataclass(frozen=True)
+class Case:
+    model: ModelConfig = field(default_factory=TransformerConfig)
+    batch: BatchConfig = field(default_factory=BatchConfig)
+    granularity: Granularity = field(default_factory=lambda: parse_granularity("layer"))
+    dtype: str = "fp32"
+    seed: int = 0
+    steps: int = 2  # optimizer steps; the trajectory property needs at least two
+    name: str = ""
+
+    def __post_init__(self) -> None:
+        if self.dtype not in DTYPES:
+            raise InvalidArgument(
+                f"dtype={self.dtype!r} is not one of {', '.join(DTYPES)}; pick one of those"
+            )
+        if not isinstance(self.steps, int) or self.steps < 2:
+            raise InvalidArgument(
+                f"steps={self.steps!r}: at least 2 optimizer steps are needed for the "
+                f"trajectory property"
+            )
+        if not isinstance(self.seed, int) or self.seed < 0:
+            raise InvalidArgument(f"seed={self.seed!r}: must be a whole number >= 0")
+
+    @property
+    def model_kind(self) -> str:
+        return "batchnorm" if isinstance(self.model, BatchNormConfig) else "transformer"
+
+    def describe(self) -> str:
+        """A short human line: what makes this case this case."""
+        m = self.model
+        if isinstance(m, TransformerConfig):
+            size = f"{m.n_layer}L x {m.n_embd}w x {self.batch.seq_len}t"
+        else:
+            size = f"batchnorm {m.n_layer}L x {m.width}w"
+        rand = "random ops on" if m.has_randomness else "no random ops"
+        return f"{size}, {self.granularity}, {self.dtype}, {rand}, seed {self.seed}"
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "name": self.name,
+            "model_kind": self.model_kind,
+            "model": asdict(self.model),
+            "batch": asdict(self.batch),
+            "granularity": str(self.granularity),
+            "dtype": self.dtype,
+            "seed": self.seed,
+            "steps": self.steps,
+        }
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict(), sort_keys=True, separators=(",", ":"))
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> Case:
+        data = dict(data)
+        kind = data.pop("model_kind", "transformer")
+        if kind not in _MODEL_KINDS:
+            raise InvalidArgument(
+                f"model_kind={kind!r} is not one of {', '.join(_MODEL_KINDS)}"
+            )
+        try:
+            model = _MODEL_KINDS[kind](**data.pop("model", {}))
+            batch = BatchConfig(**data.pop("batch", {}))
+            granularity = parse_granularity(data.pop("granularity", "layer"))
+        except TypeError as exc:
+            raise InvalidArgument(f"case: {exc}; see the case JSON in report.json") from exc
+        unknown = set(data) - {f.name for f in fields(cls)}
+        if unknown:
+            raise InvalidArgument(
+                f"case keys {sorted(unknown)} are not known; known keys: "
+                f"model_kind, model, batch, granularity, dtype, seed, steps, name"
+            )
+        return cls(model=model, batch=batch, granularity=granularity, **data)
+
+    @classmethod
+    def from_json(cls, text: str) -> Case:
+        try:
+            data = json.loads(text)
+        except json.JSONDecodeError as exc:
+            raise InvalidArgument(f"--case={text!r} is not valid JSON: {exc}") from exc
+        if not isinstance(data, dict):
+            raise InvalidArgument(f"--case={text!r}: a JSON object is needed")
+        return cls.from_dict(data)
+
+    def with_seed_offset(self, offset: int) -> Case:
+        return replace(self, seed=self.seed + offset)

@@ -1,0 +1,186 @@
+"""Activation bytes held for backward, whatever the recompute implementation.
+
+Counting what autograd saves (``saved_tensors_hooks``) does not work from the
+outside: non-reentrant checkpoint installs its own hooks, which win inside its
+region, and a checkpoint that keeps its inputs alive by holding them in Python
+saves nothing through the hooks at all. So the count asks the allocator side
+instead: a ``TorchDispatchMode`` notes every storage an aten op creates during
+the forward, and after the forward the storages still alive are what is held
+until backward, whoever holds them (autograd's saved tensors, a checkpoint's
+saved inputs, the caller's own references).
+
+No garbage collection is run, because none is needed: autograd nodes,
+torch.utils.checkpoint (reentrant and not, selective too) and
+``autograd.Function`` contexts are freed by reference counting. The only cycles
+a checkpointed forward leaves (``torch.utils._pytree.tree_flatten``'s recursive
+helper, one per call) hold no tensor; with ``gc`` disabled for the whole
+forward, a full collection afterwards changes no count (``tests/test_memory.py``
+checks this). A full ``gc.collect()`` would cost about 130 ms with torch
+imported, more than a whole small case. A forward that itself ties tensors into
+reference cycles would be over-counted by them until the collector runs.
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections.abc import Callable, Iterable
+from types import TracebackType
+from typing import Any
+
+import torch
+from torch import Tensor
+from torch.utils._python_dispatch import TorchDispatchMode
+
+__all__ = ["ActivationCounter", "tensor_storage_bytes"]
+
+# One entry per op overload: False when every return aliases an input (views,
+# in-place and out= ops), whose storage is then an input's and not new.
+_CREATES_STORAGE: dict[Any, bool] = {}
+
+_new_with_weak_ptr = torch.UntypedStorage._new_with_weak_ptr  # type: ignore[attr-defined]
+_free_weak_ref = torch.UntypedStorage._free_weak_ref  # type: ignore[attr-defined]
+
+
+def tensor_storage_bytes(t: Tensor) -> int:
+    """Bytes of the whole storage behind ``t`` (a view holds all of it); 0 without one."""
+    try:
+        return t.untyped_storage().nbytes()
+    except (NotImplementedError, RuntimeError):  # sparse, nested, storage-less subclasses
+        return 0
+
+
+def _creates_storage(func: Any) -> bool:
+    schema = getattr(func, "_schema", None)
+    if schema is None or not schema.returns:
+        return True
+    return not all(r.alias_info is not None for r in schema.returns)
+
+
+def _weak_keys(tensors: Iterable[Tensor], into: set[int]) -> None:
+    """Add a weak reference to each tensor's storage; the set's ints are the references.
+
+    A weak reference keeps the storage's C++ object (not its data) from being
+    freed, so its address, the key, cannot be reused by a later storage.
+    """
+    for t in tensors:
+        try:
+            storage = t.untyped_storage()
+        except (NotImplementedError, RuntimeError):
+            continue
+        if storage._cdata not in into:
+            into.add(storage._weak_ref())
+
+
+def _release(*key_sets: set[int]) -> None:
+    for keys in key_sets:
+        for key in keys:
+            _free_weak_ref(key)
+        keys.clear()
+
+
+class _StorageRecorder(TorchDispatchMode):
+    """Adds each new output storage's weak reference to ``seen``; the per-op hot path."""
+
+    @classmethod
+    def _should_skip_dynamo(cls) -> bool:
+        # The default wraps __torch_dispatch__ in torch._dynamo.disable: about
+        # 1 to 3 us more per op. The counter is for eager forwards only (compiled
+        # kernels bypass aten ops, so they could not be counted anyway).
+        return False
+
+    def __init__(self, seen: set[int]) -> None:
+        super().__init__()
+        self.seen = seen
+
+    def __torch_dispatch__(
+        self,
+        func: Callable[..., Any],
+        types: Any,
+        args: tuple[Any, ...] = (),
+        kwargs: dict[str, Any] | None = None,
+    ) -> Any:
+        out = func(*args, **(kwargs or {}))
+        creates = _CREATES_STORAGE.get(func)
+        if creates is None:
+            creates = _CREATES_STORAGE[func] = _creates_storage(func)
+        if not creates:
+            return out
+        seen = self.seen
+        if isinstance(out, Tensor):
+            try:
+                storage = out.untyped_storage()
+            except (NotImplementedError, RuntimeError):
+                return out
+            if storage._cdata not in seen:
+                seen.add(storage._weak_ref())
+        elif isinstance(out, (tuple, list)):
+            _weak_keys(_tensors(out), seen)
+        return out
+
+
+def _tensors(items: Iterable[Any]) -> Iterable[Tensor]:
+    """Tensors of an op's tuple or list return, one level of lists deep (``Tensor[]``)."""
+    for item in items:
+        if isinstance(item, Tensor):
+            yield item
+        elif isinstance(item, (tuple, list)):
+            yield from (t for t in item if isinstance(t, Tensor))
+
+
+class ActivationCounter:
+    """Context manager around a forward pass; afterwards, how many bytes it left alive.
+
+    ``exclude``: tensors whose storages never count (parameters, buffers, the
+    model input), because they live on whether or not anything is recomputed.
+    Only storages created by ops inside the ``with`` block are candidates, so
+    views of a parameter (``aten.t`` of a Linear weight) cost nothing either.
+    Works on any device (storage sizes need no sync) and under other dispatch
+    modes, entered before or inside the block (checkpoint's selective mode too).
+    """
+
+    def __init__(self, exclude: Iterable[Tensor] = ()) -> None:
+        self._seen: set[int] = set()
+        self._excluded: set[int] = set()
+        _weak_keys(exclude, self._excluded)
+        self._mode: _StorageRecorder | None = None
+        weakref.finalize(self, _release, self._seen, self._excluded)
+
+    def __enter__(self) -> ActivationCounter:
+        self._mode = _StorageRecorder(self._seen)
+        self._mode.__enter__()
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        mode, self._mode = self._mode, None
+        if mode is not None:
+            mode.__exit__(exc_type, exc, tb)
+
+    def _alive(self, ignore: Iterable[Tensor]) -> Iterable[torch.UntypedStorage]:
+        skip = set(self._excluded)
+        for t in ignore:
+            try:
+                skip.add(t.untyped_storage()._cdata)
+            except (NotImplementedError, RuntimeError):
+                continue
+        for key in self._seen:
+            if key not in skip:
+                storage = _new_with_weak_ptr(key)
+                if storage is not None:
+                    yield storage
+
+    def held_bytes(self, *, ignore: Iterable[Tensor] = ()) -> int:
+        """Bytes of the storages created in the block and alive now, each counted once.
+
+        ``ignore``: tensors the caller holds itself (logits, loss); their
+        storages would be alive with or without recompute.
+        """
+        return sum(storage.nbytes() for storage in self._alive(ignore))
+
+    def held_storages(self, *, ignore: Iterable[Tensor] = ()) -> int:
+        """How many storages ``held_bytes`` counts, empty ones left out, for diagnostics."""
+        return sum(1 for storage in self._alive(ignore) if storage.nbytes())

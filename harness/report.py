@@ -1,0 +1,154 @@
+"""report.json: the verdicts of one run, written atomically after every case.
+
+The file is rewritten whole after each case (write to a temporary file, then
+rename), so a run that is interrupted or killed leaves the cases that
+finished, marked ``"complete": false``, and never a half-written file.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import math
+import os
+import platform
+import shlex
+import tempfile
+from dataclasses import asdict
+from importlib.metadata import PackageNotFoundError, version
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from gradequiv.harness.adapters import Implementation
+from gradequiv.harness.verify import Verdict
+
+SCHEMA_VERSION = 1
+
+
+def gradequiv_version() -> str:
+    try:
+        return version("gradequiv")
+    except PackageNotFoundError:
+        return "unknown"
+
+
+def run_conditions(device: torch.device, seed: int) -> dict[str, Any]:
+    """What a reader needs to compare these numbers with others."""
+    conditions: dict[str, Any] = {
+        "gradequiv": gradequiv_version(),
+        "torch": torch.__version__,
+        "python": platform.python_version(),
+        "platform": platform.platform(),
+        "device": str(device),
+        "threads": torch.get_num_threads(),
+        "deterministic_algorithms": torch.are_deterministic_algorithms_enabled(),
+        "seed": seed,
+    }
+    if device.type == "cuda":
+        conditions["device_name"] = torch.cuda.get_device_name(device)
+        conditions["cuda"] = torch.version.cuda
+    return conditions
+
+
+def reproduce_command(impl: Implementation, verdict: Verdict, device: torch.device) -> str:
+    """One line that re-runs exactly this case."""
+    args = ["gradequiv", "check", *impl.command_args(), "--device", device.type,
+            "--case", verdict.case.to_json()]
+    return " ".join(shlex.quote(a) for a in args)
+
+
+def verdict_record(impl: Implementation, verdict: Verdict, device: torch.device) -> dict[str, Any]:
+    properties = []
+    for prop in verdict.properties:
+        status = {True: "pass", False: "fail", None: "n/a"}[prop.passed]
+        properties.append({
+            "name": prop.name,
+            "status": status,
+            "summary": prop.summary,
+            "failures": prop.failures,
+            "checks": [_finite(asdict(c)) for c in prop.checks],
+        })
+    record: dict[str, Any] = {
+        "name": verdict.case.name,
+        "description": verdict.case.describe(),
+        "case": verdict.case.to_dict(),
+        "verdict": "pass" if verdict.passed else "fail",
+        "first_failure": verdict.first_failure or None,
+        "reproduce": reproduce_command(impl, verdict, device),
+        "error": verdict.error,
+        "error_at": verdict.error_at or None,
+        "warnings": verdict.warnings,
+        "seconds": verdict.seconds,
+        "held_bytes": verdict.held_bytes,
+        "properties": properties,
+    }
+    return record
+
+
+def _finite(row: dict[str, Any]) -> dict[str, Any]:
+    """JSON has no inf or NaN: write them as strings."""
+    return {k: (str(v) if isinstance(v, float) and not math.isfinite(v) else v)
+            for k, v in row.items()}
+
+
+def build_report(
+    *,
+    command: str,
+    impl: Implementation,
+    conditions: dict[str, Any],
+    records: list[dict[str, Any]],
+    planned: int,
+    complete: bool,
+) -> dict[str, Any]:
+    failed = [r for r in records if r["verdict"] == "fail"]
+    failure = None
+    if failed:
+        first = failed[0]
+        failure = {
+            "case": first["name"],
+            "message": first["first_failure"],
+            "first_mismatch": _first_mismatch(first),
+            "minimal_case": first["case"],
+            "reproduce": first["reproduce"],
+        }
+    return {
+        "schema_version": SCHEMA_VERSION,
+        "tool": "gradequiv",
+        "command": command,
+        "verdict": "fail" if failed or not records else "pass",
+        "complete": complete,
+        "implementation": {"spec": impl.spec, "adapter": impl.adapter,
+                           "kwargs": {k: repr(v) for k, v in impl.kwargs.items()}},
+        "conditions": conditions,
+        "summary": {"planned": planned, "run": len(records), "passed": len(records) - len(failed),
+                    "failed": len(failed)},
+        "cases": records,
+        "failure": failure,
+    }
+
+
+def _first_mismatch(record: dict[str, Any]) -> dict[str, Any] | None:
+    for prop in record["properties"]:
+        for check in prop["checks"]:
+            if not check["passed"]:
+                return dict(check)
+    return None
+
+
+def write_json_atomic(path: Path, data: dict[str, Any]) -> None:
+    """Write ``data`` to ``path`` so that readers see the old file or the new one, whole."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as handle:
+            json.dump(data, handle, indent=1, sort_keys=False, allow_nan=False)
+            handle.write("\n")
+            handle.flush()
+            os.fsync(handle.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise

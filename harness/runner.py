@@ -1,0 +1,249 @@
+"""Run one case down one path and observe everything the properties need.
+
+A path is: build the workload from the case's seed (so every path starts from
+the same weights and batch), route the selected segments through the
+implementation (or call them plainly: the full-storage path), then train for
+``case.steps`` optimizer steps from one seeded random stream. Observed per
+step: loss, outputs, every parameter and input gradient (``None`` kept as
+``None``), buffers, RNG state, and how often each segment's forward ran in
+the forward and in the backward phase; once: the activation bytes held for
+backward after the first forward, and the final parameters.
+
+An exception raised by the implementation is caught here and kept with its
+traceback: it becomes a failed verdict, never a crash of the harness.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import inspect
+import time
+import traceback
+import warnings
+import weakref
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from gradequiv.harness.adapters import Implementation
+from gradequiv.harness.case import Case
+from gradequiv.harness.memory import ActivationCounter
+from gradequiv.models import Segment, Workload, build
+
+LEARNING_RATE = 1e-2
+MOMENTUM = 0.9
+
+
+@dataclass
+class StepRecord:
+    """What one optimizer step left behind, before the optimizer moved the weights."""
+
+    loss: Tensor
+    outputs: Tensor
+    grads: dict[str, Tensor | None]  # "param:<name>" and "input:<segment>:<arg>"
+    buffers: dict[str, Tensor]
+    rng: dict[str, Tensor]  # "cpu", "cuda:N": the global generator states after the step
+    calls: dict[str, list[int]]  # counted module -> [forward-phase calls, backward-phase calls]
+
+
+@dataclass
+class PathRun:
+    steps: list[StepRecord] = field(default_factory=list)
+    params: dict[str, Tensor] = field(default_factory=dict)  # after the last optimizer step
+    held_bytes: int | None = None  # activation bytes alive between forward and backward, step 1
+    seconds: float = 0.0
+    error: str | None = None  # traceback of an exception raised inside the path
+    error_at: str = ""  # "step 1 forward", "step 2 backward", ...
+    warnings: list[str] = field(default_factory=list)
+
+
+class _Phase:
+    """Which part of a step is running; read by the forward-call counter."""
+
+    def __init__(self) -> None:
+        self.index = 0  # 0: forward, 1: backward
+
+    @contextlib.contextmanager
+    def backward(self) -> Iterator[None]:
+        self.index = 1
+        try:
+            yield
+        finally:
+            self.index = 0
+
+
+def run_path(
+    case: Case,
+    impl: Implementation | None,
+    *,
+    device: torch.device,
+    count_memory: bool = False,
+) -> PathRun:
+    """Train ``case`` for its steps; ``impl=None`` is the full-storage path."""
+    run = PathRun()
+    workload = build(case.model, case.batch, case.seed, device)
+    model = workload.model
+    segments = workload.segments(case.granularity)
+    where = "setup"
+    started = time.perf_counter()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        try:
+            if impl is not None:
+                impl.install(model, segments)
+            else:
+                model.router.install(segments, None)  # type: ignore[attr-defined]
+            phase = _Phase()
+            calls = _count_calls(model, segments, phase)
+            grads_in = _SegmentInputGrads(model, segments)
+            inputs = _fresh_inputs(workload)
+            optimizer = torch.optim.SGD(model.parameters(), lr=LEARNING_RATE, momentum=MOMENTUM)
+            model.train()
+            torch.manual_seed(case.seed + 1)  # one training stream, the same for every path
+            for step in range(1, case.steps + 1):
+                optimizer.zero_grad(set_to_none=True)
+                _reset(calls)
+                grads_in.reset()
+                where = f"step {step} forward"
+                measure = count_memory and step == 1
+                outputs, loss, held = _forward(model, workload, inputs, case, device, measure)
+                if measure:
+                    run.held_bytes = held
+                where = f"step {step} backward"
+                with phase.backward():
+                    loss.backward()
+                run.steps.append(
+                    _record(model, inputs, loss, outputs, grads_in.grads, calls, device)
+                )
+                where = f"step {step} optimizer"
+                optimizer.step()
+            run.params = {n: p.detach().clone() for n, p in model.named_parameters()}
+        except Exception:
+            run.error, run.error_at = traceback.format_exc(), where
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+    run.seconds = time.perf_counter() - started
+    run.warnings = sorted({f"{w.category.__name__}: {w.message}" for w in caught})
+    return run
+
+
+def _forward(
+    model: nn.Module, workload: Workload, inputs: tuple[Tensor | None, ...], case: Case,
+    device: torch.device, measure: bool,
+) -> tuple[Tensor, Tensor, int | None]:
+    """One forward and loss, under the case's autocast, optionally counting held bytes."""
+    autocast: contextlib.AbstractContextManager[Any] = contextlib.nullcontext()
+    if case.dtype != "fp32":
+        dtype = torch.bfloat16 if case.dtype.startswith("bf16") else torch.float16
+        autocast = torch.autocast(device.type, dtype=dtype)
+    if not measure:
+        with autocast:
+            outputs = model(*inputs)
+            return outputs, workload.loss_fn(outputs, workload.targets), None
+    never = [*model.parameters(), *model.buffers(), *(t for t in inputs if t is not None)]
+    with ActivationCounter(exclude=never) as counter, autocast:
+        outputs = model(*inputs)
+        loss = workload.loss_fn(outputs, workload.targets)
+    return outputs, loss, counter.held_bytes(ignore=[outputs, loss])
+
+
+def _fresh_inputs(workload: Workload) -> tuple[Tensor | None, ...]:
+    """Each path gets its own leaf copies of inputs that require grad."""
+    return tuple(
+        t.detach().clone().requires_grad_() if t is not None and t.requires_grad else t
+        for t in workload.inputs
+    )
+
+
+def _count_calls(model: nn.Module, segments: list[Segment], phase: _Phase) -> dict[str, list[int]]:
+    """Count each segment's forward calls per phase, with forward pre-hooks."""
+    names = {id(m): n for n, m in model.named_modules()}
+    calls: dict[str, list[int]] = {}
+    for segment in segments:
+        for module in segment.counted:
+            name = names.get(id(module), segment.name)
+            counter = calls.setdefault(name, [0, 0])
+
+            def hook(_module: nn.Module, _args: Any, counter: list[int] = counter) -> None:
+                counter[phase.index] += 1
+
+            module.register_forward_pre_hook(hook)
+    return calls
+
+
+def _reset(calls: dict[str, list[int]]) -> None:
+    for counter in calls.values():
+        counter[0] = counter[1] = 0
+
+
+class _SegmentInputGrads:
+    """Capture the gradient that reaches each tensor a selected segment receives.
+
+    A gradient hook on the tensor (not a reference to it) keeps nothing alive,
+    so the activation count is not disturbed. The first name a tensor is seen
+    under wins (``x0`` goes to every layer); weak references tell a tensor seen
+    before from a new one that reuses a freed tensor's id.
+    """
+
+    def __init__(self, model: nn.Module, segments: list[Segment]) -> None:
+        self.grads: dict[str, Tensor] = {}
+        self._seen: dict[int, weakref.ref[Tensor]] = {}
+        self._modules = {s.name: s.module for s in segments}
+        self._signatures: dict[type, inspect.Signature] = {}
+        model.router.on_call = self._on_call  # type: ignore[attr-defined]
+
+    def reset(self) -> None:
+        self.grads = {}
+        self._seen.clear()
+
+    def _on_call(self, segment: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        if not torch.is_grad_enabled():
+            return
+        module = self._modules[segment]
+        sig = self._signatures.setdefault(type(module), inspect.signature(module.forward))
+        try:
+            named = dict(sig.bind(*args, **kwargs).arguments)
+        except TypeError:
+            named = {f"arg{i}": a for i, a in enumerate(args)} | kwargs
+        for arg, value in named.items():
+            if not (isinstance(value, Tensor) and value.requires_grad):
+                continue
+            known = self._seen.get(id(value))
+            if known is not None and known() is value:
+                continue
+            self._seen[id(value)] = weakref.ref(value)
+            value.register_hook(self._store(f"input:{segment}:{arg}"))
+
+    def _store(self, key: str) -> Any:
+        def hook(grad: Tensor) -> None:
+            self.grads[key] = grad.detach().clone()
+
+        return hook
+
+
+def _record(
+    model: nn.Module, inputs: tuple[Tensor | None, ...], loss: Tensor, outputs: Tensor,
+    grads_in: dict[str, Tensor], calls: dict[str, list[int]], device: torch.device,
+) -> StepRecord:
+    grads: dict[str, Tensor | None] = {
+        f"param:{n}": None if p.grad is None else p.grad.detach().clone()
+        for n, p in model.named_parameters()
+    }
+    for i, t in enumerate(inputs):
+        if t is not None and t.requires_grad:
+            grads[f"input:model:arg{i}"] = None if t.grad is None else t.grad.detach().clone()
+    grads.update(grads_in)
+    rng = {"cpu": torch.get_rng_state()}
+    if device.type == "cuda":
+        rng[f"cuda:{device.index or 0}"] = torch.cuda.get_rng_state(device)
+    return StepRecord(
+        loss=loss.detach().clone(),
+        outputs=outputs.detach().clone(),
+        grads=grads,
+        buffers={n: b.detach().clone() for n, b in model.named_buffers()},
+        rng=rng,
+        calls={n: list(c) for n, c in calls.items()},
+    )

@@ -1,0 +1,85 @@
+"""The fixed, deterministic spread of cases that ``gradequiv check`` runs.
+
+It covers dropout on and off, fp32 and bf16 autocast, every granularity, both
+attention paths, both norms and placements, every activation, tied and
+untied embeddings, padding on and off, and sizes from one layer up to
+4 layers x 128 wide x 64 tokens (segment inputs of 16k elements). Cheap cases
+come first so a broken implementation fails fast.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+from gradequiv.harness.case import Case
+from gradequiv.models import (
+    BatchConfig,
+    BatchNormConfig,
+    InvalidArgument,
+    TransformerConfig,
+    parse_granularity,
+)
+
+_ALL_DROPOUT = dict(embd_dropout=0.1, attn_dropout=0.1, resid_dropout=0.1, mlp_dropout=0.1)
+_SMALL = TransformerConfig(n_layer=2, n_embd=16, n_head=2, max_seq_len=16)
+_LARGE = TransformerConfig(n_layer=4, n_embd=128, n_head=4, max_seq_len=64, **_ALL_DROPOUT)
+
+
+def _case(name: str, model: TransformerConfig | BatchNormConfig, granularity: str,
+          dtype: str = "fp32", batch: BatchConfig | None = None, seed: int = 0) -> Case:
+    return Case(model=model, batch=batch or BatchConfig(2, 8), seed=seed, name=name,
+                granularity=parse_granularity(granularity), dtype=dtype)
+
+
+def default_cases() -> list[Case]:
+    """Every case of the default spread, cheapest first."""
+    return [
+        _case("control-none", replace(_SMALL, n_layer=1, **_ALL_DROPOUT), "none"),
+        _case("1L-layer-dropout", replace(_SMALL, n_layer=1, **_ALL_DROPOUT), "layer", seed=1),
+        _case("2L-layer-nodropout", _SMALL, "layer", seed=2),
+        _case("2L-layer-manual-attn", replace(_SMALL, attention="manual", **_ALL_DROPOUT),
+              "layer", seed=3),
+        _case("2L-attention-sdpa-dropout", replace(_SMALL, attn_dropout=0.2), "attention",
+              seed=4),
+        _case("2L-mlp-swiglu-rmsnorm", replace(_SMALL, activation="swiglu", norm="rmsnorm",
+                                               mlp_dropout=0.2), "mlp", seed=5),
+        _case("3L-every2-droppath-rrelu-post", replace(
+            _SMALL, n_layer=3, drop_path=0.2, activation="rrelu", norm_position="post"),
+            "every:2", seed=6),
+        _case("4L-group2-dropout-untied", replace(
+            _SMALL, n_layer=4, tie_embeddings=False, bias=False, activation="relu",
+            **_ALL_DROPOUT), "group:2", batch=BatchConfig(2, 8, padding=False), seed=7),
+        _case("2L-layer-bf16-nodropout", _SMALL, "layer", "bf16-autocast", seed=8),
+        _case("2L-layer-bf16-dropout", replace(_SMALL, **_ALL_DROPOUT), "layer",
+              "bf16-autocast", seed=9),
+        _case("3L-attention-bf16-manual", replace(_SMALL, n_layer=3, attention="manual",
+                                                  **_ALL_DROPOUT), "attention",
+              "bf16-autocast", seed=10),
+        _case("4Lx128x64-layer-dropout", _LARGE, "layer", batch=BatchConfig(2, 64), seed=11),
+        _case("4Lx128x64-group2-bf16", _LARGE, "group:2", "bf16-autocast",
+              batch=BatchConfig(2, 64), seed=12),
+    ]
+
+
+def extra_cases() -> list[Case]:
+    """Named cases outside the default spread, run with ``--case NAME``.
+
+    The batchnorm model is here, not in the default spread: torch's own
+    checkpoint re-runs BatchNorm in training mode and so updates its running
+    statistics twice; the buffers property reports that.
+    """
+    return [
+        _case("batchnorm-layer", BatchNormConfig(n_layer=2, width=16, dropout=0.1), "layer",
+              batch=BatchConfig(4, 1), seed=20),
+    ]
+
+
+def find_case(name: str) -> Case:
+    """A named case from either list; a clear error lists the names."""
+    for case in default_cases() + extra_cases():
+        if case.name == name:
+            return case
+    names = ", ".join(c.name for c in default_cases() + extra_cases())
+    raise InvalidArgument(
+        f"--case={name!r} is neither a case name nor a JSON object; known names: {names}"
+    )

@@ -1,0 +1,286 @@
+"""The six properties of one case, and the verdict that gathers them.
+
+``verify(impl, case)`` runs the full-storage path twice (the second run is the
+noise floor) and the recompute path once, then checks, in this order:
+
+1. ``outputs``: loss and model outputs of the first step;
+2. ``gradients``: every parameter and segment-input gradient of the first step,
+   including which exist at all;
+3. ``buffers``: buffers after the first step;
+4. ``rng``: the global RNG state after every step;
+5. ``trajectory``: losses, gradients and weights over the later steps;
+6. ``recompute``: each selected segment ran once in forward and once again in
+   backward, and fewer activation bytes were held than on the full path.
+
+Structure (which tensors exist, shape, dtype, device) is checked before
+values, and a value check names the tensor, the error and the bound.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from gradequiv.harness.adapters import Implementation, resolve
+from gradequiv.harness.case import CUDA_ONLY_DTYPES, Case
+from gradequiv.harness.compare import Tolerance, measure_pairs
+from gradequiv.harness.runner import PathRun, run_path
+from gradequiv.models import InvalidArgument, NoRecompute
+
+PROPERTIES = ("outputs", "gradients", "buffers", "rng", "trajectory", "recompute")
+
+
+@dataclass(frozen=True)
+class TensorCheck:
+    """One tensor compared: recompute path against the first full path."""
+
+    property: str
+    name: str
+    passed: bool
+    rel_error: float
+    bound: float
+    floor: float  # rel error between the two full-path runs
+    max_abs: float
+    cosine: float
+    mismatched: int
+    numel: int
+
+    def describe(self) -> str:
+        share = 100.0 * self.mismatched / max(self.numel, 1)
+        return (
+            f"{self.name}: relative error {self.rel_error:.3g} > bound {self.bound:.3g} "
+            f"(noise floor {self.floor:.3g}); {self.mismatched} of {self.numel} elements "
+            f"differ ({share:.1f}%), greatest absolute difference {self.max_abs:.3g}"
+        )
+
+
+@dataclass
+class PropertyResult:
+    name: str
+    passed: bool | None  # None: does not apply to this case (said in ``summary``)
+    summary: str = ""
+    failures: list[str] = field(default_factory=list)  # structure and count failures
+    checks: list[TensorCheck] = field(default_factory=list)
+
+    @property
+    def first_failure(self) -> str:
+        if self.failures:
+            return self.failures[0]
+        bad = [c for c in self.checks if not c.passed]
+        return bad[0].describe() if bad else ""
+
+
+@dataclass
+class Verdict:
+    case: Case
+    impl: str
+    device: str
+    properties: list[PropertyResult] = field(default_factory=list)
+    error: str | None = None  # traceback from inside the implementation
+    error_at: str = ""
+    warnings: list[str] = field(default_factory=list)
+    seconds: dict[str, float] = field(default_factory=dict)
+    held_bytes: dict[str, int | None] = field(default_factory=dict)
+
+    @property
+    def passed(self) -> bool:
+        return self.error is None and all(p.passed is not False for p in self.properties)
+
+    @property
+    def first_failure(self) -> str:
+        """One line saying what failed first, for terminals and reports."""
+        if self.error is not None:
+            last = self.error.strip().splitlines()[-1]
+            return f"the implementation raised during {self.error_at}: {last}"
+        for prop in self.properties:
+            if prop.passed is False:
+                return f"{prop.name}: {prop.first_failure}"
+        return ""
+
+
+def verify(
+    impl: Implementation | str,
+    case: Case,
+    *,
+    device: str | torch.device = "cpu",
+    tolerance: Tolerance | None = None,
+) -> Verdict:
+    """Check ``impl`` on ``case`` against full storage; never raises for the impl's faults."""
+    impl = resolve(impl) if isinstance(impl, str) else impl
+    device = torch.device(device)
+    if case.dtype in CUDA_ONLY_DTYPES and device.type != "cuda":
+        raise InvalidArgument(f"dtype={case.dtype!r} needs CUDA; use fp32 or bf16-autocast on CPU")
+    tolerance = tolerance or Tolerance(regime=case.dtype)
+    verdict = Verdict(case=case, impl=impl.spec, device=str(device))
+    with _caller_rng_untouched(device):
+        full = run_path(case, None, device=device, count_memory=True)
+        if full.error is not None:
+            raise RuntimeError(
+                f"the full-storage path of case {case.describe()} failed at {full.error_at}; "
+                f"this is a fault of the model, not of the implementation:\n{full.error}"
+            )
+        floor = run_path(case, None, device=device)
+        recompute = run_path(case, impl, device=device, count_memory=True)
+    verdict.seconds = {"full": full.seconds, "floor": floor.seconds,
+                       "recompute": recompute.seconds}
+    verdict.held_bytes = {"full": full.held_bytes, "recompute": recompute.held_bytes}
+    verdict.warnings = recompute.warnings
+    if recompute.error is not None:
+        verdict.error, verdict.error_at = recompute.error, recompute.error_at
+        verdict.properties = [
+            PropertyResult(name, None, "not checked: the implementation raised")
+            for name in PROPERTIES
+        ]
+        return verdict
+    started = time.perf_counter()
+    verdict.properties = _check_all(case, full, floor, recompute, tolerance)
+    verdict.seconds["compare"] = time.perf_counter() - started
+    return verdict
+
+
+@contextlib.contextmanager
+def _caller_rng_untouched(device: torch.device) -> Iterator[None]:
+    cuda = [device] if device.type == "cuda" else []
+    with torch.random.fork_rng(devices=cuda):
+        yield
+
+
+_Item = tuple[str, str, Any, Any, Any]  # property, name, recompute, full, floor run
+
+
+def _check_all(
+    case: Case, full: PathRun, floor: PathRun, rc: PathRun, tolerance: Tolerance
+) -> list[PropertyResult]:
+    results = {name: PropertyResult(name, True) for name in PROPERTIES}
+    items: list[_Item] = []
+    first = (rc.steps[0], full.steps[0], floor.steps[0])
+    items += [("outputs", "loss", *(s.loss for s in first)),
+              ("outputs", "outputs", *(s.outputs for s in first))]
+    items += _named("gradients", "", [s.grads for s in first])
+    items += _named("buffers", "buffer ", [s.buffers for s in first])
+    for k, steps in enumerate(zip(rc.steps, full.steps, floor.steps), start=1):
+        items += _named("rng", f"RNG state after step {k}: ", [s.rng for s in steps])
+        if k > 1:
+            items += [("trajectory", f"step {k} loss", *(s.loss for s in steps))]
+            items += _named("trajectory", f"step {k} ", [s.grads for s in steps])
+    items += _named("trajectory", f"weight after step {case.steps}: ",
+                    [rc.params, full.params, floor.params])
+
+    comparable = []
+    for prop, name, a, b, c in items:
+        problem = _structure_problem(name, a, b)
+        if problem:
+            results[prop].failures.append(problem)
+        elif a is not None:
+            comparable.append((prop, name, a, b, c))
+    metrics = measure_pairs(
+        [(a, b) for _, _, a, b, _ in comparable] + [(c, b) for _, _, _, b, c in comparable]
+    )
+    n = len(comparable)
+    for (prop, name, _, b, _), m, f in zip(comparable, metrics[:n], metrics[n:]):
+        bound = tolerance.bound(f.rel_error, b.dtype)
+        check = TensorCheck(prop, name, tolerance.passes(m, bound), m.rel_error, bound,
+                            f.rel_error, m.max_abs, m.cosine, m.mismatched, m.numel)
+        results[prop].checks.append(check)
+
+    if not full.steps[0].buffers:
+        results["buffers"].summary = "the model has no buffers"
+    _check_recompute(case, full, rc, results["recompute"])
+    for result in results.values():
+        if result.passed is not None:
+            result.passed = not result.failures and all(c.passed for c in result.checks)
+            if not result.passed:
+                result.summary = result.first_failure
+            elif not result.summary:
+                result.summary = _summary(result)
+    return [results[name] for name in PROPERTIES]
+
+
+def _named(prop: str, prefix: str, maps: list[dict[str, Any]]) -> list[_Item]:
+    """Align three name->tensor maps; a name missing on one side pairs with MISSING."""
+    rc, full, floor = maps
+    names = sorted(set(rc) | set(full))
+    return [(prop, prefix + _label(n), rc.get(n, MISSING), full.get(n, MISSING),
+             floor.get(n, MISSING)) for n in names]
+
+
+class _Missing:
+    def __repr__(self) -> str:
+        return "missing"
+
+
+MISSING: Any = _Missing()
+
+
+def _label(key: str) -> str:
+    """'param:blocks.0.fc.weight' -> 'grad of blocks.0.fc.weight'."""
+    kind, _, rest = key.partition(":")
+    if kind == "param":
+        return f"grad of {rest}"
+    if kind == "input":
+        return f"grad of input {rest}"
+    return key
+
+
+def _structure_problem(name: str, a: Any, b: Any) -> str:
+    """Existence, then shape, dtype, device: the failures that values cannot explain."""
+    if a is MISSING or b is MISSING:
+        side = "recompute" if a is MISSING else "full-storage"
+        return f"{name}: absent on the {side} path"
+    if (a is None) != (b is None):
+        has = "full-storage" if a is None else "recompute"
+        return f"{name}: exists only on the {has} path (the other has None)"
+    if a is None:
+        return ""
+    for attr in ("shape", "dtype", "device"):
+        if getattr(a, attr) != getattr(b, attr):
+            return (f"{name}: {attr} {getattr(a, attr)} on the recompute path, "
+                    f"{getattr(b, attr)} on the full-storage path")
+    return ""
+
+
+def _check_recompute(case: Case, full: PathRun, rc: PathRun, result: PropertyResult) -> None:
+    """Recompute happened: forward calls per phase, and fewer bytes held."""
+    if isinstance(case.granularity, NoRecompute):
+        result.passed, result.summary = None, "no segment selected (granularity none)"
+        return
+    for k, (step_rc, step_full) in enumerate(zip(rc.steps, full.steps), start=1):
+        for module, (fwd, bwd) in step_rc.calls.items():
+            full_fwd = step_full.calls.get(module, [0, 0])[0]
+            if fwd != full_fwd:
+                result.failures.append(
+                    f"step {k}: {module} ran {fwd} time(s) in forward on the recompute path and "
+                    f"{full_fwd} on the full-storage path"
+                )
+            if bwd != 1:
+                result.failures.append(
+                    f"step {k}: {module} ran {bwd} time(s) in backward; a recompute re-runs each "
+                    f"selected segment's forward exactly once"
+                )
+    held_rc, held_full = rc.held_bytes, full.held_bytes
+    if held_rc is not None and held_full is not None and held_rc >= held_full:
+        result.failures.append(
+            f"activation bytes held between forward and backward: {held_rc} on the recompute "
+            f"path, {held_full} on the full-storage path; nothing was freed"
+        )
+
+
+def _summary(result: PropertyResult) -> str:
+    if result.name == "recompute":
+        return "each segment re-ran once in backward and fewer bytes were held"
+    worst = max(result.checks, key=lambda c: c.rel_error / c.bound if c.bound else
+                (math.inf if c.rel_error else 0.0), default=None)
+    if worst is None:
+        return result.summary
+    equal = all(c.mismatched == 0 for c in result.checks)
+    if equal:
+        return f"{len(result.checks)} tensors bitwise equal"
+    return (f"{len(result.checks)} tensors within bound; worst {worst.name}: "
+            f"{worst.rel_error:.3g} <= {worst.bound:.3g}")

@@ -1,0 +1,93 @@
+"""A small MLP with BatchNorm: the model for the buffers property.
+
+BatchNorm updates its running statistics in every training-mode forward, so
+a recompute that re-runs the forward updates them twice unless it guards
+them. Its input is a float tensor that requires grad, so the input gradient
+of the model itself is observed too.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from typing import Any
+
+from torch import Tensor, nn
+
+from gradequiv.models.errors import InvalidArgument
+from gradequiv.models.granularity import (
+    EveryKthLayer,
+    EveryLayer,
+    Granularity,
+    NoRecompute,
+)
+from gradequiv.models.segments import RoutedModel, Router, Segment, attach_router
+
+
+@dataclass(frozen=True)
+class BatchNormConfig:
+    n_layer: int = 2
+    width: int = 16
+    n_classes: int = 4
+    dropout: float = 0.0
+    momentum: float = 0.1
+
+    def __post_init__(self) -> None:
+        for name in ("n_layer", "width", "n_classes"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 1:
+                raise InvalidArgument(f"{name}={value!r}: must be a whole number >= 1")
+        if not 0.0 <= self.dropout < 1.0:
+            raise InvalidArgument(f"dropout={self.dropout!r}: a probability in [0, 1) is needed")
+
+    @property
+    def has_randomness(self) -> bool:
+        return self.dropout > 0
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+class NormBlock(nn.Module):
+    def __init__(self, config: BatchNormConfig) -> None:
+        super().__init__()
+        self.fc = nn.Linear(config.width, config.width)
+        self.bn = nn.BatchNorm1d(config.width, momentum=config.momentum)
+        self.act = nn.ReLU()
+        self.dropout = nn.Dropout(config.dropout)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return x + self.dropout(self.act(self.bn(self.fc(x))))
+
+
+class BatchNormNet(RoutedModel):
+    router: Router
+
+    def __init__(self, config: BatchNormConfig) -> None:
+        super().__init__()
+        self.config = config
+        self.blocks = nn.ModuleList(NormBlock(config) for _ in range(config.n_layer))
+        self.head = nn.Linear(config.width, config.n_classes)
+        attach_router(self)
+
+    def segments(self, granularity: Granularity) -> list[Segment]:
+        """Layer-level granularities only: the blocks have no attention or MLP parts."""
+        blocks = list(self.blocks)
+        if isinstance(granularity, NoRecompute):
+            return []
+        if isinstance(granularity, EveryLayer):
+            return [Segment(f"blocks.{i}", b, (b,)) for i, b in enumerate(blocks)]
+        if isinstance(granularity, EveryKthLayer):
+            return [
+                Segment(f"blocks.{i}", b, (b,)) for i, b in enumerate(blocks)
+                if i % granularity.k == 0
+            ]
+        raise InvalidArgument(
+            f"granularity={str(granularity)!r} does not apply to the batchnorm model; "
+            f"use none, layer or every:K"
+        )
+
+    def forward(self, features: Tensor) -> Tensor:
+        x = features
+        for block in self.blocks:
+            x = self.router(block, x)
+        return self.head(x)

@@ -1,0 +1,91 @@
+"""How a model hands its segments to a recompute implementation.
+
+A reference model never calls a checkpointable segment directly: it calls
+``self.router(module, *args, **kwargs)``. The router is shared by every module
+of one model and decides, per segment module, whether to call it plainly or
+through the plugged-in implementation. This keeps the model's parameter names
+identical whatever the granularity, so one state_dict fits every path.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from torch import nn
+
+#: ``call(module, *args, **kwargs)``: how one selected segment is run.
+SegmentCall = Callable[..., Any]
+
+
+@dataclass(frozen=True)
+class Segment:
+    """One checkpointable unit: its dotted name and the module that runs it.
+
+    ``counted`` are the modules whose forward calls prove the segment ran
+    (the segment itself, or the layers of a group).
+    """
+
+    name: str
+    module: nn.Module
+    counted: tuple[nn.Module, ...]
+
+
+class Router:
+    """Calls each segment plainly, or through the call installed for it."""
+
+    def __init__(self) -> None:
+        self._calls: dict[int, SegmentCall] = {}
+        self.on_call: Callable[[str, tuple[Any, ...], dict[str, Any]], None] | None = None
+        self._names: dict[int, str] = {}
+
+    def install(self, segments: list[Segment], call: SegmentCall | None) -> None:
+        """Route ``segments`` through ``call`` (``None``: call them plainly)."""
+        self._names = {id(s.module): s.name for s in segments}
+        self._calls.clear()
+        if call is not None:
+            self.enable(call)
+
+    def enable(self, call: SegmentCall) -> None:
+        """Route every installed segment through ``call``."""
+        self._calls = dict.fromkeys(self._names, call)
+
+    def __call__(self, module: nn.Module, *args: Any, **kwargs: Any) -> Any:
+        if self.on_call is not None and id(module) in self._names:
+            self.on_call(self._names[id(module)], args, kwargs)
+        call = self._calls.get(id(module))
+        if call is None:
+            return module(*args, **kwargs)
+        return call(module, *args, **kwargs)
+
+
+def attach_router(model: nn.Module) -> Router:
+    """Give ``model`` and all its submodules one shared, unregistered router."""
+    router = Router()
+    for module in model.modules():
+        object.__setattr__(module, "router", router)
+    return router
+
+
+class RoutedModel(nn.Module):
+    """Base of the reference models: a shared router and an HF-style toggle."""
+
+    router: Router
+
+    def segments(self, granularity: Any) -> list[Segment]:
+        raise NotImplementedError
+
+    def gradient_checkpointing_enable(self, checkpoint_fn: SegmentCall | None = None) -> None:
+        """Recompute the installed segments through ``checkpoint_fn`` (torch's by default).
+
+        This is what a ``toggle`` implementation calls: the model turns recompute
+        on itself, for the segments the harness selected.
+        """
+        if checkpoint_fn is None:
+            from torch.utils.checkpoint import checkpoint
+
+            def checkpoint_fn(module: nn.Module, *args: Any, **kwargs: Any) -> Any:
+                return checkpoint(module, *args, use_reentrant=False, **kwargs)
+
+        self.router.enable(checkpoint_fn)

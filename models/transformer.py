@@ -1,0 +1,306 @@
+"""A small decoder-only transformer whose layers go through a recompute router.
+
+Read top to bottom: norms, attention, feed-forward, the block, the config, the
+model. Every random op that can break recompute sits in its own named module
+(embedding, attention-probability, residual and MLP dropout, stochastic depth,
+RReLU noise), and the fused attention path draws its dropout inside SDPA.
+
+Segments are called the way real layers are: two tensors that require grad
+(the residual stream ``x`` and the embedding output ``x0``, which every layer
+mixes back in), a padding mask that does not, and keyword arguments
+(``causal``, ``residual_scale``) whose loss would change the result.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass
+from typing import Any, Literal
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from gradequiv.models.errors import InvalidArgument
+from gradequiv.models.granularity import (
+    AttentionOnly,
+    EveryKthLayer,
+    EveryLayer,
+    Granularity,
+    LayerGroups,
+    MlpOnly,
+    NoRecompute,
+)
+from gradequiv.models.segments import RoutedModel, Router, Segment, attach_router
+
+
+def make_norm(config: TransformerConfig) -> nn.Module:
+    if config.norm == "rmsnorm":
+        return nn.RMSNorm(config.n_embd, eps=1e-5)
+    return nn.LayerNorm(config.n_embd, bias=config.bias)
+
+
+class DropPath(nn.Module):
+    """Stochastic depth: drop a whole residual branch per sample."""
+
+    def __init__(self, p: float) -> None:
+        super().__init__()
+        self.p = p
+
+    def forward(self, x: Tensor) -> Tensor:
+        if not self.training or self.p == 0.0:
+            return x
+        keep = torch.empty(x.shape[0], *([1] * (x.dim() - 1)), device=x.device, dtype=x.dtype)
+        return x * keep.bernoulli_(1.0 - self.p) / (1.0 - self.p)
+
+
+class Attention(nn.Module):
+    router: Router
+
+    def __init__(self, config: TransformerConfig) -> None:
+        super().__init__()
+        self.n_head = config.n_head
+        self.fused = config.attention == "sdpa"
+        self.qkv = nn.Linear(config.n_embd, 3 * config.n_embd, bias=config.bias)
+        self.proj = nn.Linear(config.n_embd, config.n_embd, bias=config.bias)
+        self.attn_dropout = nn.Dropout(config.attn_dropout)  # manual path only
+        self.attn_dropout_p = config.attn_dropout  # fused path: SDPA's dropout_p
+        self.resid_dropout = nn.Dropout(config.resid_dropout)
+
+    def forward(self, h: Tensor, key_padding_mask: Tensor | None, *, causal: bool = False) -> Tensor:
+        B, T, C = h.shape
+        q, k, v = self.qkv(h).split(C, dim=2)
+        q = q.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)  # (B, nh, T, hs)
+        k = k.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)  # (B, nh, T, hs)
+        v = v.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)  # (B, nh, T, hs)
+        allowed = _allowed_keys(T, key_padding_mask, causal, h.device)  # (B|1, 1, T, T) bool
+        if self.fused:
+            y = F.scaled_dot_product_attention(
+                q, k, v, attn_mask=allowed,
+                dropout_p=self.attn_dropout_p if self.training else 0.0,
+            )
+        else:
+            att = (q @ k.transpose(-2, -1)) * (1.0 / math.sqrt(k.size(-1)))  # (B, nh, T, T)
+            if allowed is not None:
+                att = att.masked_fill(~allowed, float("-inf"))
+            att = self.attn_dropout(F.softmax(att, dim=-1))
+            y = att @ v  # (B, nh, T, hs)
+        y = y.transpose(1, 2).contiguous().view(B, T, C)
+        return self.resid_dropout(self.proj(y))
+
+
+def _allowed_keys(
+    T: int, key_padding_mask: Tensor | None, causal: bool, device: torch.device
+) -> Tensor | None:
+    """Boolean mask of the keys each query may attend to, or None for all."""
+    allowed = None
+    if causal:
+        allowed = torch.ones(T, T, dtype=torch.bool, device=device).tril()[None, None]
+    if key_padding_mask is not None:
+        keys = key_padding_mask[:, None, None, :]  # (B, 1, 1, T)
+        allowed = keys if allowed is None else allowed & keys
+        # A query whose keys are all padding would softmax to NaN: let it see itself.
+        allowed = allowed | torch.eye(T, dtype=torch.bool, device=device)[None, None]
+    return allowed
+
+
+class MLP(nn.Module):
+    router: Router
+
+    def __init__(self, config: TransformerConfig) -> None:
+        super().__init__()
+        hidden = config.ffn_mult * config.n_embd
+        self.swiglu = config.activation == "swiglu"
+        self.fc = nn.Linear(config.n_embd, (2 if self.swiglu else 1) * hidden, bias=config.bias)
+        self.act = {"gelu": nn.GELU(), "relu": nn.ReLU(), "rrelu": nn.RReLU(), "swiglu": nn.SiLU()}[
+            config.activation
+        ]
+        self.mlp_dropout = nn.Dropout(config.mlp_dropout)
+        self.proj = nn.Linear(hidden, config.n_embd, bias=config.bias)
+        self.resid_dropout = nn.Dropout(config.resid_dropout)
+
+    def forward(self, h: Tensor) -> Tensor:
+        if self.swiglu:
+            gate, up = self.fc(h).chunk(2, dim=-1)
+            hidden = self.act(gate) * up
+        else:
+            hidden = self.act(self.fc(h))
+        return self.resid_dropout(self.proj(self.mlp_dropout(hidden)))
+
+
+class Block(nn.Module):
+    """One layer. Its sub-blocks also go through the router (attention/MLP-only granularity)."""
+
+    router: Router
+
+    def __init__(self, config: TransformerConfig) -> None:
+        super().__init__()
+        self.pre_norm = config.norm_position == "pre"
+        self.norm_1 = make_norm(config)
+        self.attn = Attention(config)
+        self.norm_2 = make_norm(config)
+        self.mlp = MLP(config)
+        self.drop_path = DropPath(config.drop_path)
+        self.x0_gate = nn.Parameter(torch.tensor(0.1))  # how much of the embedding is mixed back in
+
+    def forward(
+        self,
+        x: Tensor,
+        x0: Tensor,
+        key_padding_mask: Tensor | None = None,
+        *,
+        causal: bool = False,
+        residual_scale: float = 1.0,
+    ) -> Tensor:
+        x = x + self.x0_gate * x0
+        if self.pre_norm:
+            a = self.router(self.attn, self.norm_1(x), key_padding_mask, causal=causal)
+            x = x + residual_scale * self.drop_path(a)
+            m = self.router(self.mlp, self.norm_2(x))
+            return x + residual_scale * self.drop_path(m)
+        a = self.router(self.attn, x, key_padding_mask, causal=causal)
+        x = self.norm_1(x + residual_scale * self.drop_path(a))
+        m = self.router(self.mlp, x)
+        return self.norm_2(x + residual_scale * self.drop_path(m))
+
+
+class LayerGroup(nn.Module):
+    """Consecutive layers run as one segment (kept out of the model's state_dict)."""
+
+    def __init__(self, blocks: list[Block]) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(blocks)
+
+    def forward(
+        self,
+        x: Tensor,
+        x0: Tensor,
+        key_padding_mask: Tensor | None = None,
+        *,
+        causal: bool = False,
+        residual_scale: float = 1.0,
+    ) -> Tensor:
+        for block in self.blocks:
+            x = block(x, x0, key_padding_mask, causal=causal, residual_scale=residual_scale)
+        return x
+
+
+@dataclass(frozen=True)
+class TransformerConfig:
+    n_layer: int = 2
+    n_embd: int = 32
+    n_head: int = 2
+    ffn_mult: int = 4
+    vocab_size: int = 64
+    max_seq_len: int = 64
+    embd_dropout: float = 0.0
+    attn_dropout: float = 0.0
+    resid_dropout: float = 0.0
+    mlp_dropout: float = 0.0
+    drop_path: float = 0.0  # stochastic depth on both residual branches
+    attention: Literal["sdpa", "manual"] = "sdpa"
+    norm: Literal["layernorm", "rmsnorm"] = "layernorm"
+    norm_position: Literal["pre", "post"] = "pre"
+    activation: Literal["gelu", "relu", "rrelu", "swiglu"] = "gelu"  # rrelu: random slopes
+    tie_embeddings: bool = True
+    bias: bool = True
+
+    def __post_init__(self) -> None:
+        for name in ("n_layer", "n_embd", "n_head", "ffn_mult", "vocab_size", "max_seq_len"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 1:
+                raise InvalidArgument(f"{name}={value!r}: must be a whole number >= 1")
+        if self.n_embd % self.n_head:
+            raise InvalidArgument(
+                f"n_embd={self.n_embd} is not divisible by n_head={self.n_head}; "
+                f"pick n_head among the divisors of n_embd"
+            )
+        for name in ("embd_dropout", "attn_dropout", "resid_dropout", "mlp_dropout", "drop_path"):
+            p = getattr(self, name)
+            if not 0.0 <= p < 1.0:
+                raise InvalidArgument(f"{name}={p!r}: a probability in [0, 1) is needed")
+        _check_choice("attention", self.attention, ("sdpa", "manual"))
+        _check_choice("norm", self.norm, ("layernorm", "rmsnorm"))
+        _check_choice("norm_position", self.norm_position, ("pre", "post"))
+        _check_choice("activation", self.activation, ("gelu", "relu", "rrelu", "swiglu"))
+
+    @property
+    def has_randomness(self) -> bool:
+        return self.activation == "rrelu" or any(
+            p > 0
+            for p in (self.embd_dropout, self.attn_dropout, self.resid_dropout, self.mlp_dropout,
+                      self.drop_path)
+        )
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def _check_choice(name: str, value: object, choices: tuple[str, ...]) -> None:
+    if value not in choices:
+        raise InvalidArgument(f"{name}={value!r} is not one of {', '.join(choices)}")
+
+
+class Transformer(RoutedModel):
+    router: Router
+
+    def __init__(self, config: TransformerConfig) -> None:
+        super().__init__()
+        self.config = config
+        self.wte = nn.Embedding(config.vocab_size, config.n_embd)
+        self.wpe = nn.Embedding(config.max_seq_len, config.n_embd)
+        self.embd_dropout = nn.Dropout(config.embd_dropout)
+        self.blocks = nn.ModuleList(Block(config) for _ in range(config.n_layer))
+        self.norm_f = make_norm(config)
+        self.lm_head = nn.Linear(config.n_embd, config.vocab_size, bias=False)
+        if config.tie_embeddings:
+            self.lm_head.weight = self.wte.weight
+        self.residual_scale = 1.0 / math.sqrt(2.0 * config.n_layer)
+        self._groups: list[LayerGroup] = []  # plain list: never in the state_dict
+        attach_router(self)
+
+    def segments(self, granularity: Granularity) -> list[Segment]:
+        """The modules that recompute under ``granularity``, in call order."""
+        blocks = list(self.blocks)
+        self._groups = []
+        if isinstance(granularity, NoRecompute):
+            return []
+        if isinstance(granularity, EveryLayer):
+            return [Segment(f"blocks.{i}", b, (b,)) for i, b in enumerate(blocks)]
+        if isinstance(granularity, EveryKthLayer):
+            return [
+                Segment(f"blocks.{i}", b, (b,)) for i, b in enumerate(blocks)
+                if i % granularity.k == 0
+            ]
+        if isinstance(granularity, AttentionOnly):
+            return [Segment(f"blocks.{i}.attn", b.attn, (b.attn,)) for i, b in enumerate(blocks)]
+        if isinstance(granularity, MlpOnly):
+            return [Segment(f"blocks.{i}.mlp", b.mlp, (b.mlp,)) for i, b in enumerate(blocks)]
+        if isinstance(granularity, LayerGroups):
+            segments = []
+            for start in range(0, len(blocks), granularity.size):
+                members = blocks[start:start + granularity.size]
+                group = LayerGroup(members)
+                object.__setattr__(group, "router", self.router)
+                self._groups.append(group)
+                name = f"blocks.{start}-{start + len(members) - 1}"
+                segments.append(Segment(name, group, tuple(members)))
+            return segments
+        raise InvalidArgument(f"granularity={granularity!r} is not a known granularity")
+
+    def forward(self, tokens: Tensor, key_padding_mask: Tensor | None = None) -> Tensor:
+        B, T = tokens.shape
+        if T > self.config.max_seq_len:
+            raise InvalidArgument(
+                f"sequence length {T} exceeds max_seq_len={self.config.max_seq_len}; "
+                f"raise max_seq_len or shorten the batch"
+            )
+        pos = torch.arange(T, device=tokens.device)
+        x0 = self.embd_dropout(self.wte(tokens) + self.wpe(pos))  # (B, T, C)
+        x = x0
+        layers: list[nn.Module] = self._groups if self._groups else list(self.blocks)
+        for layer in layers:
+            x = self.router(
+                layer, x, x0, key_padding_mask, causal=True, residual_scale=self.residual_scale
+            )
+        return self.lm_head(self.norm_f(x))  # (B, T, vocab)

@@ -1,0 +1,103 @@
+"""The metrics on hand-made tensors, and the tolerance policy's arithmetic."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from gradequiv.harness.compare import DTYPE_CAPS, Tolerance, measure_pairs
+from gradequiv.models import InvalidArgument
+
+
+def test_identical_tensors_are_exactly_equal() -> None:
+    a = torch.randn(5, 7)
+    (m,) = measure_pairs([(a.clone(), a)])
+    assert (m.rel_error, m.max_abs, m.cosine, m.mismatched, m.numel) == (0.0, 0.0, 1.0, 0, 35)
+
+
+def test_metrics_match_a_hand_computation() -> None:
+    a = torch.tensor([3.0, 4.0, 0.0])
+    b = torch.tensor([3.0, 0.0, 0.0])
+    (m,) = measure_pairs([(a, b)])
+    # ||a-b|| = 4, max(||a||, ||b||) = 5, a.b = 9, ||a|| ||b|| = 15
+    assert m.rel_error == pytest.approx(4 / 5)
+    assert m.max_abs == 4.0
+    assert m.cosine == pytest.approx(9 / 15)
+    assert (m.mismatched, m.numel) == (1, 3)
+
+
+def test_a_systematic_relative_error_is_measured_as_such() -> None:
+    b = torch.randn(1000, dtype=torch.float32)
+    (m,) = measure_pairs([(b * (1 + 1e-4), b)])
+    assert m.rel_error == pytest.approx(1e-4, rel=1e-2)
+    assert m.mismatched > 900
+
+
+def test_zero_reference_gives_a_bounded_error_not_a_division_by_zero() -> None:
+    (m,) = measure_pairs([(torch.ones(3), torch.zeros(3))])
+    assert m.rel_error == 1.0 and m.cosine == 0.0
+
+
+def test_nan_on_one_side_only_is_infinitely_wrong() -> None:
+    (m,) = measure_pairs([(torch.tensor([math.nan, 1.0]), torch.tensor([1.0, 1.0]))])
+    assert m.rel_error == math.inf and m.mismatched == 1
+
+
+def test_nan_in_the_same_place_on_both_sides_is_equal() -> None:
+    a = torch.tensor([math.nan, 2.0, math.inf])
+    (m,) = measure_pairs([(a.clone(), a)])
+    assert (m.rel_error, m.mismatched) == (0.0, 0)
+
+
+def test_integer_and_byte_tensors_compare_exactly() -> None:
+    state = torch.get_rng_state()
+    moved = state.clone()
+    moved[100] ^= 1
+    same, different = measure_pairs([(state.clone(), state), (moved, state)])
+    assert same.mismatched == 0 and different.mismatched == 1
+    assert different.rel_error > 0
+
+
+def test_many_pairs_come_back_in_order() -> None:
+    pairs = [(torch.full((k + 1,), float(k)), torch.zeros(k + 1)) for k in range(6)]
+    metrics = measure_pairs(pairs)
+    assert [m.numel for m in metrics] == [1, 2, 3, 4, 5, 6]
+    assert [m.max_abs for m in metrics] == [0.0, 1.0, 2.0, 3.0, 4.0, 5.0]
+
+
+def test_zero_floor_still_flags_a_systematic_error_of_1e_4_in_every_regime() -> None:
+    for regime in DTYPE_CAPS:
+        bound = Tolerance(regime).bound(0.0, torch.float32)
+        assert 0 < bound < 1e-5, regime
+
+
+def test_a_bf16_run_with_zero_floor_does_not_get_the_bf16_cap() -> None:
+    assert Tolerance("bf16-autocast").bound(0.0, torch.float32) < DTYPE_CAPS["fp32"]
+
+
+def test_the_floor_raises_the_bound_but_never_past_the_cap() -> None:
+    tol = Tolerance("fp16-autocast")
+    assert tol.bound(1e-5, torch.float32) == pytest.approx(4e-5)
+    assert tol.bound(1.0, torch.float32) == DTYPE_CAPS["fp16-autocast"]
+    assert tol.bound(math.inf, torch.float32) == DTYPE_CAPS["fp16-autocast"]
+
+
+def test_integer_tensors_have_a_zero_bound() -> None:
+    assert Tolerance().bound(0.0, torch.int64) == 0.0
+    assert Tolerance().bound(0.0, torch.uint8) == 0.0
+
+
+def test_explicit_rtol_and_atol_replace_the_derived_bound() -> None:
+    tol = Tolerance(rtol=1e-2, atol=0.5)
+    assert tol.bound(0.0, torch.float32) == 1e-2
+    (m,) = measure_pairs([(torch.tensor([1.4]), torch.tensor([1.0]))])
+    assert tol.passes(m, 1e-2)  # max_abs 0.4 <= atol
+    assert not Tolerance(rtol=1e-2).passes(m, 1e-2)
+
+
+@pytest.mark.parametrize("bad", [{"rtol": -1.0}, {"atol": math.nan}, {"regime": "fp8"}])
+def test_bad_tolerances_name_the_value(bad: dict[str, object]) -> None:
+    with pytest.raises(InvalidArgument, match=str(next(iter(bad.values())))):
+        Tolerance(**bad)  # type: ignore[arg-type]
