@@ -3,8 +3,8 @@
 Counting what autograd saves (``saved_tensors_hooks``) does not work from the
 outside: non-reentrant checkpoint installs its own hooks, which win inside its
 region, and a checkpoint that keeps its inputs alive by holding them in Python
-saves nothing through the hooks at all. So the count asks the allocator side
-instead: a ``TorchDispatchMode`` notes every storage an aten op creates during
+saves nothing through the hooks at all. So the count looks at where storages
+come from instead: a ``TorchDispatchMode`` notes every storage an aten op creates during
 the forward, and after the forward the storages still alive are what is held
 until backward, whoever holds them (autograd's saved tensors, a checkpoint's
 saved inputs, the caller's own references).
@@ -25,11 +25,14 @@ from __future__ import annotations
 import weakref
 from collections.abc import Callable, Iterable
 from types import TracebackType
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import Tensor
 from torch.utils._python_dispatch import TorchDispatchMode
+
+if TYPE_CHECKING:
+    from typing_extensions import Self
 
 __all__ = ["ActivationCounter", "tensor_storage_bytes"]
 
@@ -145,7 +148,7 @@ class ActivationCounter:
         self._mode: _StorageRecorder | None = None
         weakref.finalize(self, _release, self._seen, self._excluded)
 
-    def __enter__(self) -> ActivationCounter:
+    def __enter__(self) -> Self:
         self._mode = _StorageRecorder(self._seen)
         self._mode.__enter__()
         return self

@@ -64,11 +64,15 @@ def default_cases() -> list[Case]:
 def extra_cases() -> list[Case]:
     """Named cases outside the default spread, run with ``--case NAME``.
 
-    The batchnorm model is here, not in the default spread: torch's own
-    checkpoint re-runs BatchNorm in training mode and so updates its running
-    statistics twice; the buffers property reports that.
+    Both are real faults of torch's own checkpoint, kept out of the default
+    spread so that it measures the implementation's core: the batchnorm model
+    (torch re-runs BatchNorm in training mode and so updates its running
+    statistics twice) and frozen embeddings (the reentrant variant gives the
+    first layer no gradients when none of its inputs requires grad).
     """
     return [
+        _case("2L-layer-frozen-embeddings", replace(_SMALL, freeze_embeddings=True,
+                                                    **_ALL_DROPOUT), "layer", seed=21),
         _case("batchnorm-layer", BatchNormConfig(n_layer=2, width=16, dropout=0.1), "layer",
               batch=BatchConfig(4, 1), seed=20),
     ]

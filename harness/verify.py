@@ -162,7 +162,7 @@ def _check_all(
     items: list[_Item] = []
     first = (rc.steps[0], full.steps[0], floor.steps[0])
     items += [("outputs", "loss", *(s.loss for s in first)),
-              ("outputs", "outputs", *(s.outputs for s in first))]
+              ("outputs", "model output", *(s.outputs for s in first))]
     items += _named("gradients", "", [s.grads for s in first])
     items += _named("buffers", "buffer ", [s.buffers for s in first])
     for k, steps in enumerate(zip(rc.steps, full.steps, floor.steps), start=1):
@@ -204,9 +204,9 @@ def _check_all(
 
 
 def _named(prop: str, prefix: str, maps: list[dict[str, Any]]) -> list[_Item]:
-    """Align three name->tensor maps; a name missing on one side pairs with MISSING."""
+    """Align three name->tensor maps; a name absent on one side pairs with MISSING."""
     rc, full, floor = maps
-    names = sorted(set(rc) | set(full))
+    names = [*full, *(n for n in rc if n not in full)]  # model order: parameters, then inputs
     return [(prop, prefix + _label(n), rc.get(n, MISSING), full.get(n, MISSING),
              floor.get(n, MISSING)) for n in names]
 

@@ -204,6 +204,7 @@ class TransformerConfig:
     activation: Literal["gelu", "relu", "rrelu", "swiglu"] = "gelu"  # rrelu: random slopes
     tie_embeddings: bool = True
     bias: bool = True
+    freeze_embeddings: bool = False  # then no layer input requires grad (as with adapters/LoRA)
 
     def __post_init__(self) -> None:
         for name in ("n_layer", "n_embd", "n_head", "ffn_mult", "vocab_size", "max_seq_len"):
@@ -255,6 +256,9 @@ class Transformer(RoutedModel):
         self.lm_head = nn.Linear(config.n_embd, config.vocab_size, bias=False)
         if config.tie_embeddings:
             self.lm_head.weight = self.wte.weight
+        if config.freeze_embeddings:
+            self.wte.weight.requires_grad_(False)
+            self.wpe.weight.requires_grad_(False)
         self.residual_scale = 1.0 / math.sqrt(2.0 * config.n_layer)
         self._groups: list[LayerGroup] = []  # plain list: never in the state_dict
         attach_router(self)

@@ -1,0 +1,146 @@
+"""Implementations written for the tests: deliberately wrong ones, and a few right ones.
+
+Each wrong one breaks exactly one thing, so a test can say which property
+must catch it. Referenced by SPEC (``wrong_impls:NAME``) from the CLI tests;
+pytest puts this folder on sys.path.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections import Counter
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+from torch.utils.checkpoint import checkpoint
+
+
+def _checkpoint(fn: Any, *args: Any, **kwargs: Any) -> Any:
+    return checkpoint(fn, *args, use_reentrant=False, **kwargs)
+
+
+class _ScaleGrad(torch.autograd.Function):
+    """Identity forward (a bitwise copy); backward multiplies the gradient by ``factor``."""
+
+    @staticmethod
+    def forward(ctx: Any, x: Tensor, factor: float) -> Tensor:
+        ctx.factor = factor
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, None]:
+        return grad * ctx.factor, None
+
+
+class _RaiseInBackward(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, x: Tensor) -> Tensor:
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> Tensor:
+        raise RuntimeError("recompute buffer was freed before backward")
+
+
+def scaled_output(fn: Any, *args: Any, **kwargs: Any) -> Any:
+    """Outputs off by 1e-3 (and so everything downstream)."""
+    return _checkpoint(fn, *args, **kwargs) * (1 + 1e-3)
+
+
+def skewed_gradients(fn: Any, *args: Any, **kwargs: Any) -> Any:
+    """Forward exact, every gradient through the segment off by a relative 1e-4."""
+    return _ScaleGrad.apply(_checkpoint(fn, *args, **kwargs), 1 + 1e-4)
+
+
+def nan_gradients(fn: Any, *args: Any, **kwargs: Any) -> Any:
+    """Forward exact, gradients NaN."""
+    return _ScaleGrad.apply(_checkpoint(fn, *args, **kwargs), float("nan"))
+
+
+def moves_caller_rng(fn: Any, *args: Any, **kwargs: Any) -> Any:
+    """Recompute right, but backward draws from the caller's stream and leaves it moved."""
+    out = _checkpoint(fn, *args, **kwargs)
+    out.register_hook(lambda grad: (torch.rand(1), grad)[1])
+    return out
+
+
+_calls: Counter[int] = Counter()
+
+
+def wrong_from_second_step(fn: Any, *args: Any, **kwargs: Any) -> Any:
+    """Exact on each segment's first call; gradients skewed on every later call."""
+    _calls[id(fn)] += 1
+    out = _checkpoint(fn, *args, **kwargs)
+    return out if _calls[id(fn)] == 1 else _ScaleGrad.apply(out, 1 + 1e-3)
+
+
+def no_op(fn: Any, *args: Any, **kwargs: Any) -> Any:
+    """Keeps every activation: gradients right, nothing recomputed, nothing saved."""
+    return fn(*args, **kwargs)
+
+
+def raises_in_backward(fn: Any, *args: Any, **kwargs: Any) -> Any:
+    return _RaiseInBackward.apply(_checkpoint(fn, *args, **kwargs))
+
+
+def returns_tuple(fn: Any, *args: Any, **kwargs: Any) -> Any:
+    """The wrong structure: a tuple where the segment returns a tensor."""
+    return (_checkpoint(fn, *args, **kwargs),)
+
+
+def drops_kwargs(fn: Any, *args: Any, **kwargs: Any) -> Any:
+    """Keyword arguments reach the first forward but not the recompute."""
+    first = itertools.count()
+
+    def run(*a: Any) -> Any:
+        return fn(*a, **kwargs) if next(first) == 0 else fn(*a)
+
+    return _checkpoint(run, *args)
+
+
+def interrupts(fn: Any, *args: Any, **kwargs: Any) -> Any:
+    """Stands for a Ctrl-C in the middle of a run."""
+    raise KeyboardInterrupt
+
+
+def buffer_guarded(fn: Any, *args: Any, **kwargs: Any) -> Any:
+    """A correct checkpoint for BatchNorm: the recompute puts the buffers back.
+
+    The restore sits in ``finally`` because non-reentrant checkpoint stops a
+    recompute early, by an exception, once it has what backward needs.
+    """
+    calls = itertools.count()
+
+    def run(*a: Any, **k: Any) -> Any:
+        if next(calls) == 0:
+            return fn(*a, **k)
+        saved = [b.clone() for b in fn.buffers()]
+        try:
+            return fn(*a, **k)
+        finally:
+            with torch.no_grad():
+                for buffer, value in zip(fn.buffers(), saved):
+                    buffer.copy_(value)
+
+    return _checkpoint(run, *args, **kwargs)
+
+
+class CheckpointWrapper(nn.Module):
+    """A right ``wrapper`` implementation: ``impl(module) -> module``."""
+
+    def __init__(self, module: nn.Module) -> None:
+        super().__init__()
+        self.inner = module
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        return _checkpoint(self.inner, *args, **kwargs)
+
+
+def toggle_on(model: nn.Module) -> None:
+    """A right ``toggle`` implementation: the model turns recompute on itself."""
+    model.gradient_checkpointing_enable()  # type: ignore[operator]
+
+
+def toggle_forgotten(model: nn.Module) -> None:
+    """A wrong toggle: says it enabled recompute, did nothing."""
