@@ -1,0 +1,145 @@
+"""``gradequiv check``: exit codes, one-line errors, the report, same seed same result."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from gradequiv.harness.cli import main
+
+FAST = ["--examples", "2"]
+
+
+def check(capsys: pytest.CaptureFixture[str], *args: str) -> tuple[int, str, str]:
+    code = main(["check", *args])
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def read_report(directory: Path) -> dict[str, Any]:
+    return json.loads((directory / "report.json").read_text())
+
+
+def test_torch_passes_with_exit_0_and_a_pass_report(tmp_path: Path,
+                                                    capsys: pytest.CaptureFixture[str]) -> None:
+    code, out, _ = check(capsys, "--impl", "torch", *FAST, "--report-dir", str(tmp_path))
+    assert code == 0 and "verdict: pass" in out
+    report = read_report(tmp_path)
+    assert report["schema_version"] == 1 and report["verdict"] == "pass"
+    assert report["complete"] is True and report["failure"] is None
+    assert report["summary"] == {"planned": 2, "run": 2, "passed": 2, "failed": 0}
+    assert report["conditions"]["torch"] and report["conditions"]["threads"] >= 1
+    checks = report["cases"][1]["properties"][1]["checks"]
+    assert checks and all(c["rel_error"] == 0.0 for c in checks)
+
+
+def test_no_rng_restore_exits_1_and_names_the_first_mismatched_gradient(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    code, out, _ = check(capsys, "--impl", "torch", "--impl-kwarg", "preserve_rng_state=false",
+                         *FAST, "--report-dir", str(tmp_path))
+    assert code == 1 and "verdict: FAIL" in out
+    failure = read_report(tmp_path)["failure"]
+    assert failure["first_mismatch"]["name"] == "grad of wte.weight"
+    assert "grad of wte.weight: relative error" in failure["message"]
+    assert "--impl-kwarg preserve_rng_state=false" in failure["reproduce"]
+    assert "reproduce: gradequiv check" in out
+
+
+def test_the_reproduce_command_reruns_exactly_that_case(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    check(capsys, "--impl", "torch", "--impl-kwarg", "preserve_rng_state=false", *FAST,
+          "--report-dir", str(tmp_path / "a"))
+    first = read_report(tmp_path / "a")["failure"]
+    argv = first["reproduce"]
+    args = __import__("shlex").split(argv)[2:]  # drop "gradequiv check"
+    code, _, _ = check(capsys, *args, "--report-dir", str(tmp_path / "b"))
+    again = read_report(tmp_path / "b")
+    assert code == 1 and len(again["cases"]) == 1
+    assert again["failure"]["first_mismatch"] == first["first_mismatch"]
+
+
+def test_same_seed_same_report_and_another_seed_another(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    def cases(seed: str, name: str) -> list[dict[str, Any]]:
+        check(capsys, "--impl", "torch", "--impl-kwarg", "preserve_rng_state=false", *FAST,
+              "--seed", seed, "--report-dir", str(tmp_path / name))
+        records = read_report(tmp_path / name)["cases"]
+        for record in records:
+            record.pop("seconds")
+        return records
+
+    assert cases("5", "a") == cases("5", "b")
+    assert cases("6", "c") != cases("5", "a")
+
+
+def test_an_implementation_that_raises_fails_every_case_and_the_run_goes_on(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    code, out, _ = check(capsys, "--impl", "wrong_impls:raises_in_backward", "--examples", "3",
+                         "--report-dir", str(tmp_path))
+    assert code == 1 and out.count("] FAIL ") == 2
+    report = read_report(tmp_path)
+    # The control case selects no segment, so the implementation is never called.
+    assert [c["verdict"] for c in report["cases"]] == ["pass", "fail", "fail"]
+    assert all("RuntimeError: recompute buffer was freed" in c["error"]
+               for c in report["cases"][1:])
+
+
+def test_an_interrupted_run_leaves_a_valid_report_marked_incomplete(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    code, _, err = check(capsys, "--impl", "wrong_impls:interrupts", "--case",
+                         "1L-layer-dropout", "--report-dir", str(tmp_path))
+    assert code == 130 and "interrupted" in err
+    report = read_report(tmp_path)
+    assert report["complete"] is False and report["cases"] == []
+    assert report["verdict"] == "fail"
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--impl", "nosuchmodule:fn"], "could not be imported: ModuleNotFoundError"),
+    (["--impl", "torch.utils.checkpoint:checkpointt"],
+     "did you mean 'torch.utils.checkpoint:checkpoint'?"),
+    (["--impl", "torchh"], "did you mean 'torch'?"),
+    (["--impl", "torch.utils.checkpoint"], "nor a 'module:attr' reference"),
+    (["--impl", "torch:__version__"], "which is not callable"),
+    (["--impl", "torch", "--examples", "-1"], "-1 must be at least 1"),
+    (["--impl", "torch", "--examples", "many"], "'many' is not a whole number"),
+    (["--impl", "torch", "--seed", "-3"], "-3 must be >= 0"),
+    (["--impl", "torch", "--device", "tpu"], "invalid choice: 'tpu'"),
+    (["--impl", "torch", "--impl-kwarg", "novalue"], "is not KEY=VALUE"),
+    (["--impl", "torch", "--adapter", "decorator"], "invalid choice: 'decorator'"),
+    (["--impl", "torch", "--case", "nosuch"], "known names: control-none"),
+    (["--impl", "torch", "--case", '{"dtype": "fp8"}'], "dtype='fp8' is not one of"),
+    (["--impl", "torch", "--case", '{"model": {"n_embd": 10, "n_head": 3}}'],
+     "n_embd=10 is not divisible by n_head=3"),
+    (["--impl", "torch", "--case", '{"granularity": "every:x"}'], "needs a whole number"),
+    (["--impl", "torch", "--case", "{not json"], "is not valid JSON"),
+    (["--impl", "torch", "--rtol", "-1"], "must be a finite number >= 0"),
+    ([], "the following arguments are required: --impl"),
+])
+def test_bad_input_is_exit_2_and_one_line(args: list[str], message: str,
+                                          capsys: pytest.CaptureFixture[str]) -> None:
+    code, out, err = check(capsys, *args)
+    assert code == 2 and out == ""
+    assert err.count("\n") == 1 and err.startswith("gradequiv: error: ")
+    assert message in err
+
+
+def test_cuda_on_a_machine_without_it_is_a_usage_error(
+        capsys: pytest.CaptureFixture[str]) -> None:
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("this machine has CUDA")
+    code, _, err = check(capsys, "--impl", "torch", "--device", "cuda")
+    assert code == 2 and "torch.cuda.is_available() is False" in err
+
+
+def test_the_console_script_runs_as_a_module() -> None:
+    done = subprocess.run([sys.executable, "-m", "gradequiv.harness", "check", "--impl", "x"],
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2 and "gradequiv: error: --impl='x'" in done.stderr
