@@ -106,7 +106,10 @@ def _check(args: argparse.Namespace) -> int:
     from gradequiv.harness.case import Case
     from gradequiv.harness.compare import Tolerance
     from gradequiv.harness.report import (
-        build_report, run_conditions, verdict_record, write_json_atomic,
+        build_report,
+        run_conditions,
+        verdict_record,
+        write_json_atomic,
     )
     from gradequiv.harness.spread import default_cases, find_case
     from gradequiv.harness.verify import verify

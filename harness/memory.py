@@ -32,13 +32,14 @@ from torch import Tensor
 from torch.utils._python_dispatch import TorchDispatchMode
 
 if TYPE_CHECKING:
-    from typing_extensions import Self
+    from typing import Self
 
 __all__ = ["ActivationCounter", "tensor_storage_bytes"]
 
-# One entry per op overload: False when every return aliases an input (views,
-# in-place and out= ops), whose storage is then an input's and not new.
-_CREATES_STORAGE: dict[Any, bool] = {}
+# Per op overload, which of its returns can be a new storage: True (all),
+# False (none: views, in-place and out= ops return an input's storage), or the
+# indices of the returns that declare no alias.
+_FRESH_RETURNS: dict[Any, bool | tuple[int, ...]] = {}
 
 _new_with_weak_ptr = torch.UntypedStorage._new_with_weak_ptr  # type: ignore[attr-defined]
 _free_weak_ref = torch.UntypedStorage._free_weak_ref  # type: ignore[attr-defined]
@@ -52,11 +53,14 @@ def tensor_storage_bytes(t: Tensor) -> int:
         return 0
 
 
-def _creates_storage(func: Any) -> bool:
+def _fresh_returns(func: Any) -> bool | tuple[int, ...]:
     schema = getattr(func, "_schema", None)
-    if schema is None or not schema.returns:
+    if schema is None:  # not an aten overload (a higher-order op): look at every output
         return True
-    return not all(r.alias_info is not None for r in schema.returns)
+    fresh = tuple(i for i, r in enumerate(schema.returns) if r.alias_info is None)
+    if len(fresh) == len(schema.returns):
+        return bool(fresh)
+    return fresh or False
 
 
 def _weak_keys(tensors: Iterable[Tensor], into: set[int]) -> None:
@@ -103,21 +107,21 @@ class _StorageRecorder(TorchDispatchMode):
         kwargs: dict[str, Any] | None = None,
     ) -> Any:
         out = func(*args, **(kwargs or {}))
-        creates = _CREATES_STORAGE.get(func)
-        if creates is None:
-            creates = _CREATES_STORAGE[func] = _creates_storage(func)
-        if not creates:
-            return out
-        seen = self.seen
-        if isinstance(out, Tensor):
-            try:
-                storage = out.untyped_storage()
-            except (NotImplementedError, RuntimeError):
-                return out
-            if storage._cdata not in seen:
-                seen.add(storage._weak_ref())
-        elif isinstance(out, (tuple, list)):
-            _weak_keys(_tensors(out), seen)
+        fresh = _FRESH_RETURNS.get(func)
+        if fresh is None:
+            fresh = _FRESH_RETURNS[func] = _fresh_returns(func)
+        if fresh is True:
+            if isinstance(out, Tensor):
+                try:
+                    storage = out.untyped_storage()
+                except (NotImplementedError, RuntimeError):
+                    return out
+                if storage._cdata not in self.seen:
+                    self.seen.add(storage._weak_ref())
+            elif isinstance(out, (tuple, list)):
+                _weak_keys(_tensors(out), self.seen)
+        elif fresh:  # some returns alias an input: record only the others
+            _weak_keys(_tensors([out[i] for i in fresh]), self.seen)
         return out
 
 

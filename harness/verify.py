@@ -26,7 +26,6 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-from torch import Tensor
 
 from gradequiv.harness.adapters import Implementation, resolve
 from gradequiv.harness.case import CUDA_ONLY_DTYPES, Case

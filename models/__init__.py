@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
-from typing import Any, Union
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -52,7 +52,7 @@ __all__ = [
     "parse_granularity",
 ]
 
-ModelConfig = Union[TransformerConfig, BatchNormConfig]
+ModelConfig = TransformerConfig | BatchNormConfig
 
 
 @dataclass(frozen=True)

@@ -9,7 +9,7 @@ Text forms (for the command line and reports): ``none``, ``layer``,
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import ClassVar, Union
+from typing import ClassVar
 
 from gradequiv.models.errors import InvalidArgument
 
@@ -82,7 +82,9 @@ class MlpOnly:
         return "mlp"
 
 
-Granularity = Union[NoRecompute, EveryLayer, EveryKthLayer, LayerGroups, AttentionOnly, MlpOnly]
+Granularity = (
+    NoRecompute | EveryLayer | EveryKthLayer | LayerGroups | AttentionOnly | MlpOnly
+)
 
 _PLAIN: dict[str, Granularity] = {
     "none": NoRecompute(),

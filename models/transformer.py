@@ -67,7 +67,9 @@ class Attention(nn.Module):
         self.attn_dropout_p = config.attn_dropout  # fused path: SDPA's dropout_p
         self.resid_dropout = nn.Dropout(config.resid_dropout)
 
-    def forward(self, h: Tensor, key_padding_mask: Tensor | None, *, causal: bool = False) -> Tensor:
+    def forward(
+        self, h: Tensor, key_padding_mask: Tensor | None, *, causal: bool = False
+    ) -> Tensor:
         B, T, C = h.shape
         q, k, v = self.qkv(h).split(C, dim=2)
         q = q.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)  # (B, nh, T, hs)

@@ -1,0 +1,31 @@
+"""The README's example says what the code does: the autocast bug is caught, the fix passes."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from gradequiv.harness import default_cases, verify
+
+EXAMPLES = Path(__file__).resolve().parent.parent / "docs" / "examples"
+
+
+@pytest.fixture(autouse=True)
+def _examples_on_path(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.syspath_prepend(str(EXAMPLES))
+
+
+def _small_cases() -> list:
+    return [c for c in default_cases() if "128" not in c.name]
+
+
+def test_the_hand_written_recompute_fails_exactly_the_bf16_cases() -> None:
+    failed = {c.name for c in _small_cases() if not verify("hand_written:my_checkpoint", c).passed}
+    assert failed == {c.name for c in _small_cases() if c.dtype == "bf16-autocast"}
+
+
+def test_the_fixed_hand_written_recompute_passes() -> None:
+    for case in _small_cases():
+        verdict = verify("hand_written:my_checkpoint_fixed", case)
+        assert verdict.passed, (case.name, verdict.first_failure)
