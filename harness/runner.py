@@ -100,9 +100,11 @@ def run_path(
             calls = _count_calls(model, segments, phase)
             grads_in = _SegmentInputGrads(model, segments)
             inputs = _fresh_inputs(workload)
-            optimizer = torch.optim.SGD(model.parameters(), lr=LEARNING_RATE, momentum=MOMENTUM)
+            params = list(model.named_parameters())
+            optimizer = torch.optim.SGD([p for _, p in params], lr=LEARNING_RATE,
+                                        momentum=MOMENTUM)
             model.train()
-            torch.manual_seed(case.seed + 1)  # one training stream, the same for every path
+            _seed_stream(case.seed + 1, device)  # one training stream, the same for every path
             for step in range(1, case.steps + 1):
                 optimizer.zero_grad(set_to_none=True)
                 _reset(calls)
@@ -116,11 +118,11 @@ def run_path(
                 with phase.backward():
                     loss.backward()
                 run.steps.append(
-                    _record(model, inputs, loss, outputs, grads_in.grads, calls, device)
+                    _record(model, params, inputs, loss, outputs, grads_in.grads, calls, device)
                 )
                 where = f"step {step} optimizer"
                 optimizer.step()
-            run.params = {n: p.detach().clone() for n, p in model.named_parameters()}
+            run.params = {n: p.detach() for n, p in params}
         except Exception:
             run.error, run.error_at = traceback.format_exc(), where
         if device.type == "cuda":
@@ -148,6 +150,17 @@ def _forward(
         outputs = model(*inputs)
         loss = workload.loss_fn(outputs, workload.targets)
     return outputs, loss, counter.held_bytes(ignore=[outputs, loss])
+
+
+def _seed_stream(seed: int, device: torch.device) -> None:
+    """Seed the global generators the path draws from.
+
+    Cheaper than ``torch.manual_seed``, which also queues a lazy seed for every
+    CUDA device (with a stack trace) even where none is in use.
+    """
+    torch.random.default_generator.manual_seed(seed)
+    if device.type == "cuda":
+        torch.cuda.manual_seed_all(seed)
 
 
 def _fresh_inputs(workload: Workload) -> tuple[Tensor | None, ...]:
@@ -225,23 +238,29 @@ class _SegmentInputGrads:
 
 
 def _record(
-    model: nn.Module, inputs: tuple[Tensor | None, ...], loss: Tensor, outputs: Tensor,
-    grads_in: dict[str, Tensor], calls: dict[str, list[int]], device: torch.device,
+    model: nn.Module, params: list[tuple[str, nn.Parameter]], inputs: tuple[Tensor | None, ...],
+    loss: Tensor, outputs: Tensor, grads_in: dict[str, Tensor], calls: dict[str, list[int]],
+    device: torch.device,
 ) -> StepRecord:
+    """Keep this step's observations.
+
+    Gradients, loss and outputs are kept without a copy: ``zero_grad(set_to_none=True)``
+    gives the next step fresh gradient tensors, and SGD reads gradients without
+    writing them. Buffers change in place, so they are copied.
+    """
     grads: dict[str, Tensor | None] = {
-        f"param:{n}": None if p.grad is None else p.grad.detach().clone()
-        for n, p in model.named_parameters()
+        f"param:{n}": None if p.grad is None else p.grad.detach() for n, p in params
     }
     for i, t in enumerate(inputs):
         if t is not None and t.requires_grad:
-            grads[f"input:model:arg{i}"] = None if t.grad is None else t.grad.detach().clone()
+            grads[f"input:model:arg{i}"] = None if t.grad is None else t.grad.detach()
     grads.update(grads_in)
     rng = {"cpu": torch.get_rng_state()}
     if device.type == "cuda":
         rng[f"cuda:{device.index or 0}"] = torch.cuda.get_rng_state(device)
     return StepRecord(
-        loss=loss.detach().clone(),
-        outputs=outputs.detach().clone(),
+        loss=loss.detach(),
+        outputs=outputs.detach(),
         grads=grads,
         buffers={n: b.detach().clone() for n, b in model.named_buffers()},
         rng=rng,

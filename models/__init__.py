@@ -130,7 +130,7 @@ def build(
 ) -> Workload:
     """Initialise the model from ``seed`` and draw its fixed batch from ``seed`` too."""
     with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(seed)
+        torch.random.default_generator.manual_seed(seed)  # weights are made on the CPU
         if isinstance(model_config, TransformerConfig):
             model: nn.Module = Transformer(model_config)
         elif isinstance(model_config, BatchNormConfig):

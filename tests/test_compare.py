@@ -101,3 +101,15 @@ def test_explicit_rtol_and_atol_replace_the_derived_bound() -> None:
 def test_bad_tolerances_name_the_value(bad: dict[str, object]) -> None:
     with pytest.raises(InvalidArgument, match=str(next(iter(bad.values())))):
         Tolerance(**bad)  # type: ignore[arg-type]
+
+
+def test_the_reduction_path_agrees_with_the_equality_shortcut() -> None:
+    from gradequiv.harness.compare import _reduce
+
+    a = torch.randn(64)
+    pairs = [(a.clone(), a), (a * (1 + 1e-3), a), (torch.zeros(0), torch.zeros(0))]
+    fast = measure_pairs(pairs)
+    slow = _reduce(pairs[:2])
+    assert fast[0] == slow[0] and fast[1] == slow[1] and fast[2].numel == 0
+    assert slow[1].rel_error == pytest.approx(1e-3, rel=1e-3)
+    assert slow[1].cosine == pytest.approx(1.0)

@@ -1,0 +1,109 @@
+"""Harness cost per case against the bare paths it runs (pytest-benchmark).
+
+Run: ``tox -e bench`` or
+``pytest tests/bench -o python_files='bench_*.py' --benchmark-json=bench.json``.
+
+For each case, the bare work and ``verify`` run interleaved, so both see the
+same machine noise. Bare work is what the harness cannot avoid: the full path
+twice (once for the noise floor) and the recompute path, each plain training
+steps with nothing observed. ``extra_info`` carries medians, p95 and their
+ratio; nothing here asserts a time.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import statistics
+import time
+from dataclasses import replace
+from typing import Any
+
+import pytest
+import torch
+
+from gradequiv.harness import Case, find_case, resolve, verify
+from gradequiv.harness.runner import LEARNING_RATE, MOMENTUM
+from gradequiv.models import build
+
+CASES = ["2L-layer-manual-attn", "2L-layer-bf16-dropout", "4Lx128x64-layer-dropout"]
+ROUNDS = 15
+
+
+def bare_path(case: Case, impl: Any) -> None:
+    workload = build(case.model, case.batch, case.seed)
+    segments = workload.segments(case.granularity)
+    if impl is None:
+        workload.model.router.install(segments, None)
+    else:
+        impl.install(workload.model, segments)
+    optimizer = torch.optim.SGD(workload.model.parameters(), lr=LEARNING_RATE, momentum=MOMENTUM)
+    autocast: Any = contextlib.nullcontext()
+    if case.dtype == "bf16-autocast":
+        autocast = torch.autocast("cpu", dtype=torch.bfloat16)
+    torch.manual_seed(case.seed + 1)
+    for _ in range(case.steps):
+        optimizer.zero_grad(set_to_none=True)
+        with autocast:
+            loss = workload.loss_fn(workload.model(*workload.inputs), workload.targets)
+        loss.backward()
+        optimizer.step()
+
+
+def _p95(values: list[float]) -> float:
+    return statistics.quantiles(values, n=20)[-1]
+
+
+@pytest.mark.parametrize("name", CASES)
+def test_harness_against_bare_paths(benchmark: Any, name: str) -> None:
+    case = replace(find_case(name), name=name)
+    impl = resolve("torch")
+    bare_times: list[float] = []  # full, full again, recompute
+    bare_two: list[float] = []  # full + recompute, without the floor's second full path
+    harness_times: list[float] = []
+    harness_no_floor: list[float] = []
+
+    def bare() -> None:
+        started = time.perf_counter()
+        bare_path(case, None)
+        middle = time.perf_counter()
+        bare_path(case, None)
+        resumed = time.perf_counter()
+        bare_path(case, impl)
+        done = time.perf_counter()
+        bare_times.append(done - started)
+        bare_two.append((middle - started) + (done - resumed))
+
+    def harness() -> None:
+        started = time.perf_counter()
+        verdict = verify(impl, case)
+        harness_times.append(time.perf_counter() - started)
+        harness_no_floor.append(harness_times[-1] - verdict.seconds["floor"])
+        assert verdict.passed
+
+    bare()
+    harness()  # warm-up: lazy imports inside torch's checkpoint
+    for timings in (bare_times, bare_two, harness_times, harness_no_floor):
+        timings.clear()
+
+    def interleaved() -> None:
+        bare()
+        harness()
+
+    benchmark.pedantic(interleaved, rounds=ROUNDS, iterations=1)
+    ratio = statistics.median(harness_times) / statistics.median(bare_times)
+    ratio_no_floor = statistics.median(harness_no_floor) / statistics.median(bare_two)
+    benchmark.extra_info.update({
+        "case": case.describe(),
+        "threads": torch.get_num_threads(),
+        "torch": torch.__version__,
+        "bare_median_s": statistics.median(bare_times),
+        "bare_p95_s": _p95(bare_times),
+        "harness_median_s": statistics.median(harness_times),
+        "harness_p95_s": _p95(harness_times),
+        "harness_over_bare": ratio,
+        "harness_without_floor_over_full_plus_recompute": ratio_no_floor,
+    })
+    print(f"\n{name}: harness/bare = {ratio:.3f}, without the floor run {ratio_no_floor:.3f} "
+          f"(medians of {ROUNDS}; bare {statistics.median(bare_times) * 1e3:.1f} ms, "
+          f"harness {statistics.median(harness_times) * 1e3:.1f} ms, p95 "
+          f"{_p95(bare_times) * 1e3:.1f} / {_p95(harness_times) * 1e3:.1f} ms)")
