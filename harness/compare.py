@@ -26,8 +26,19 @@ from gradequiv.models import InvalidArgument
 DTYPE_CAPS = {"fp32": 1.3e-6, "bf16-autocast": 1.6e-2, "fp16-autocast": 1e-3}
 #: How far above its own measured noise floor a recomputed tensor may sit.
 FLOOR_FACTOR = 4.0
-#: Relative slack, in units of the tensor dtype's epsilon, for a reordered accumulation.
+#: Relative slack, in units of an fp32/fp64 tensor's epsilon, for a reordered accumulation.
 REORDER_ULPS = 8.0
+
+
+def reorder_slack(dtype: torch.dtype) -> float:
+    """The error a legitimately reordered sum may leave in a tensor of ``dtype``.
+
+    Gradients accumulate in fp32 (autocast keeps fp32 weights), so eight ULPs
+    there; a 16-bit tensor gets one ULP, so that a bf16 output whose floor is
+    zero is never allowed the 1e-2 of the bf16 cap.
+    """
+    eps = torch.finfo(dtype).eps
+    return eps * (REORDER_ULPS if torch.finfo(dtype).bits >= 32 else 1.0)
 
 
 @dataclass(frozen=True)
@@ -128,8 +139,7 @@ class Tolerance:
             return 0.0  # counters, RNG bytes: exactly equal or wrong
         if not math.isfinite(floor):
             floor = DTYPE_CAPS[self.regime]
-        slack = REORDER_ULPS * torch.finfo(dtype).eps
-        return min(DTYPE_CAPS[self.regime], max(FLOOR_FACTOR * floor, slack))
+        return min(DTYPE_CAPS[self.regime], max(FLOOR_FACTOR * floor, reorder_slack(dtype)))
 
     def passes(self, metrics: PairMetrics, bound: float) -> bool:
         if self.atol is not None and metrics.max_abs <= self.atol:

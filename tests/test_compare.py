@@ -74,7 +74,9 @@ def test_zero_floor_still_flags_a_systematic_error_of_1e_4_in_every_regime() -> 
 
 
 def test_a_bf16_run_with_zero_floor_does_not_get_the_bf16_cap() -> None:
-    assert Tolerance("bf16-autocast").bound(0.0, torch.float32) < DTYPE_CAPS["fp32"]
+    tol = Tolerance("bf16-autocast")
+    assert tol.bound(0.0, torch.float32) < DTYPE_CAPS["fp32"]
+    assert tol.bound(0.0, torch.bfloat16) == torch.finfo(torch.bfloat16).eps < 1e-2
 
 
 def test_the_floor_raises_the_bound_but_never_past_the_cap() -> None:
