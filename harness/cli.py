@@ -8,8 +8,8 @@ told in one line that names the value, the rule and a fix.
 from __future__ import annotations
 
 import argparse
+import os
 import sys
-import time
 from pathlib import Path
 from typing import Any, NoReturn
 
@@ -71,9 +71,13 @@ def build_parser() -> argparse.ArgumentParser:
     check.add_argument("--impl-kwarg", action="append", default=[], metavar="KEY=VALUE",
                        help="keyword argument forwarded to the implementation (repeatable)")
     check.add_argument("--examples", type=_count, default=None, metavar="N",
-                       help="run only the first N cases of the spread")
+                       help="examples Hypothesis draws per property (default: the profile's)")
+    check.add_argument("--profile", choices=("ci", "dev", "thorough"), default="ci",
+                       help="how hard to search: ci (20 examples per property, no example "
+                            "database; the default), dev (50), thorough (400)")
     check.add_argument("--seed", type=_seed, default=0, metavar="S",
-                       help="offset added to every case's seed (default 0)")
+                       help="seed of the drawn cases, added to the named cases' seeds "
+                            "(default 0)")
     check.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
     check.add_argument("--case", default=None, metavar="NAME|JSON",
                        help="run one case: a name from the spread or a case's JSON")
@@ -99,79 +103,46 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _check(args: argparse.Namespace) -> int:
+    """Validate every option here (exit 2), then run the property suite under pytest."""
     # torch is imported here, not at module import, so --help and usage errors stay fast.
+    import pytest
     import torch
 
     from gradequiv.harness.adapters import parse_impl_kwargs, resolve
     from gradequiv.harness.case import Case
     from gradequiv.harness.compare import Tolerance
-    from gradequiv.harness.report import (
-        build_report,
-        run_conditions,
-        verdict_record,
-        write_json_atomic,
-    )
-    from gradequiv.harness.spread import default_cases, find_case
-    from gradequiv.harness.verify import verify
+    from gradequiv.harness.spread import find_case
     from gradequiv.models import InvalidArgument
 
     try:
         impl = resolve(args.impl, adapter=args.adapter, kwargs=parse_impl_kwargs(args.impl_kwarg))
         device = _device(args.device, torch)
-        if args.case is None:
-            cases = default_cases()[: args.examples]
-        elif args.case.lstrip().startswith("{"):
-            cases = [Case.from_json(args.case)]
-        else:
-            cases = [find_case(args.case)]
-        cases = [c.with_seed_offset(args.seed) for c in cases]
-        tolerances = [Tolerance(c.dtype, args.rtol, args.atol) for c in cases]
+        if args.case is not None:
+            case = (Case.from_json(args.case) if args.case.lstrip().startswith("{")
+                    else find_case(args.case))
+            Tolerance(case.dtype, args.rtol, args.atol)
+        Tolerance("fp32", args.rtol, args.atol)
     except InvalidArgument as exc:
         raise _UsageError(str(exc)) from exc
 
-    conditions = run_conditions(device, args.seed)
-    report_path = args.report_dir / "report.json" if args.report_dir else None
-    records: list[dict[str, Any]] = []
-
-    def write(complete: bool) -> None:
-        if report_path is not None:
-            write_json_atomic(report_path, build_report(
-                command="check", impl=impl, conditions=conditions, records=records,
-                planned=len(cases), complete=complete))
-
-    print(f"gradequiv check: {impl.spec} ({impl.adapter}) on {device}, {len(cases)} case(s), "
-          f"torch {torch.__version__}, {torch.get_num_threads()} threads", flush=True)
-    started = time.perf_counter()
-    try:
-        for i, (case, tolerance) in enumerate(zip(cases, tolerances), start=1):
-            try:
-                verdict = verify(impl, case, device=device, tolerance=tolerance)
-            except InvalidArgument as exc:
-                raise _UsageError(str(exc)) from exc
-            record = verdict_record(impl, verdict, device)
-            records.append(record)
-            write(complete=False)
-            status = "pass" if verdict.passed else "FAIL"
-            spent = sum(verdict.seconds.values())
-            print(f"[{i}/{len(cases)}] {status} {case.name or 'case'}: {case.describe()} "
-                  f"({spent:.2f}s)", flush=True)
-            if not verdict.passed:
-                print(f"    {verdict.first_failure}", flush=True)
-    except KeyboardInterrupt:
-        write(complete=False)
-        raise
-    write(complete=True)
-    failed = [r for r in records if r["verdict"] == "fail"]
-    elapsed = time.perf_counter() - started
-    if failed:
-        print(f"verdict: FAIL ({len(failed)} of {len(records)} cases failed) in {elapsed:.1f}s")
-        print(f"first failure: {failed[0]['name']}: {failed[0]['first_failure']}")
-        print(f"reproduce: {failed[0]['reproduce']}")
-    else:
-        print(f"verdict: pass ({len(records)} of {len(records)} cases) in {elapsed:.1f}s")
-    if report_path is not None:
-        print(f"report: {report_path}")
-    return EXIT_FAIL if failed else EXIT_PASS
+    pytest_args = ["--pyargs", "gradequiv.properties", "-p", "no:cacheprovider", "-q",
+                   "-W", "ignore::pytest.PytestAssertRewriteWarning",
+                   f"--gradequiv-impl={impl.spec}", f"--gradequiv-seed={args.seed}",
+                   f"--gradequiv-profile={args.profile}",
+                   f"--gradequiv-device={device.type}"]
+    pytest_args += [f"--gradequiv-impl-kwarg={item}" for item in args.impl_kwarg]
+    optional = {"adapter": args.adapter, "examples": args.examples, "case": args.case,
+                "report-dir": args.report_dir, "rtol": args.rtol, "atol": args.atol}
+    pytest_args += [f"--gradequiv-{k}={v}" for k, v in optional.items() if v is not None]
+    if os.environ.get("PYTEST_DISABLE_PLUGIN_AUTOLOAD"):
+        pytest_args += ["-p", "gradequiv.properties.plugin"]
+    print(f"gradequiv check: {impl.spec} ({impl.adapter}) on {device}, torch "
+          f"{torch.__version__}, {torch.get_num_threads()} threads", flush=True)
+    code = int(pytest.main(pytest_args))
+    if code == 2:
+        print("gradequiv: interrupted; the report keeps what finished, marked incomplete",
+              file=sys.stderr)
+    return {0: EXIT_PASS, 1: EXIT_FAIL, 2: EXIT_INTERRUPTED}.get(code, EXIT_USAGE)
 
 
 def _device(choice: str, torch: Any) -> Any:

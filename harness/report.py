@@ -22,6 +22,7 @@ from typing import Any
 import torch
 
 from gradequiv.harness.adapters import Implementation
+from gradequiv.harness.case import Case
 from gradequiv.harness.verify import Verdict
 
 SCHEMA_VERSION = 1
@@ -52,10 +53,10 @@ def run_conditions(device: torch.device, seed: int) -> dict[str, Any]:
     return conditions
 
 
-def reproduce_command(impl: Implementation, verdict: Verdict, device: torch.device) -> str:
+def reproduce_command(impl: Implementation, case: Case, device: torch.device) -> str:
     """One line that re-runs exactly this case."""
     args = ["gradequiv", "check", *impl.command_args(), "--device", device.type,
-            "--case", verdict.case.to_json()]
+            "--case", case.to_json()]
     return " ".join(shlex.quote(a) for a in args)
 
 
@@ -76,7 +77,7 @@ def verdict_record(impl: Implementation, verdict: Verdict, device: torch.device)
         "case": verdict.case.to_dict(),
         "verdict": "pass" if verdict.passed else "fail",
         "first_failure": verdict.first_failure or None,
-        "reproduce": reproduce_command(impl, verdict, device),
+        "reproduce": reproduce_command(impl, verdict.case, device),
         "error": verdict.error,
         "error_at": verdict.error_at or None,
         "warnings": verdict.warnings,
@@ -109,7 +110,7 @@ def build_report(
         failure = {
             "case": first["name"],
             "message": first["first_failure"],
-            "first_mismatch": _first_mismatch(first),
+            "first_mismatch": first_mismatch(first),
             "minimal_case": first["case"],
             "reproduce": first["reproduce"],
         }
@@ -129,7 +130,7 @@ def build_report(
     }
 
 
-def _first_mismatch(record: dict[str, Any]) -> dict[str, Any] | None:
+def first_mismatch(record: dict[str, Any]) -> dict[str, Any] | None:
     for prop in record["properties"]:
         for check in prop["checks"]:
             if not check["passed"]:

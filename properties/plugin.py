@@ -1,0 +1,284 @@
+"""The pytest plugin (entry point ``pytest11``): options, fixture, header, summary, report.
+
+Loaded into every pytest run where gradequiv is installed, so it imports
+neither torch nor the engine at import time; it only acts on runs that
+collect the property suite. Each option has an ini key and an environment
+variable (command line > environment > ini > default).
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+import random
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from gradequiv.properties import runtime
+from gradequiv.properties.assertions import CASE_KEY, FAILURE_KEY
+
+_OPTIONS: list[tuple[str, str, dict[str, Any]]] = [
+    ("impl", "implementation SPEC: torch, torch-reentrant, an entry point, or module:attr", {}),
+    ("impl-kwarg", "KEY=VALUE forwarded to the implementation (repeatable)",
+     {"action": "append"}),
+    ("adapter", "how the implementation is called: function, wrapper or toggle", {}),
+    ("seed", "seed of the drawn cases (default: 0 in CI, random elsewhere)", {}),
+    ("examples", "examples per property test (overrides the profile)", {}),
+    ("profile", "ci, dev or thorough (default: ci when CI is detected, else dev)", {}),
+    ("device", "auto, cpu or cuda (default auto)", {}),
+    ("report-dir", "write report.json into this folder at the end of the run", {}),
+    ("case", "replay one case: its JSON, or a named case", {}),
+    ("rtol", "explicit relative-error bound (replaces the derived one)", {}),
+    ("atol", "explicit absolute-error bound (a tensor within it passes)", {}),
+]
+
+
+def _dest(name: str) -> str:
+    return "gradequiv_" + name.replace("-", "_")
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    group = parser.getgroup("gradequiv", "gradequiv: recompute equivalence")
+    for name, help_text, extra in _OPTIONS:
+        group.addoption(f"--gradequiv-{name}", dest=_dest(name), default=None,
+                        help=f"{help_text}; env GRADEQUIV_{name.upper().replace('-', '_')}, "
+                             f"ini {_dest(name)}", **extra)
+        parser.addini(_dest(name), help_text, type="linelist" if extra else "string")
+
+
+def _setting(config: pytest.Config, name: str) -> Any:
+    value = config.getoption(_dest(name))
+    if value is None:
+        value = os.environ.get("GRADEQUIV_" + name.upper().replace("-", "_"))
+        if value is not None and name == "impl-kwarg":
+            value = value.split()
+    if value is None or value == "" or value == []:
+        value = config.getini(_dest(name)) or None
+    return value
+
+
+def _number(name: str, text: Any, low: int) -> int:
+    try:
+        value = int(text)
+    except (TypeError, ValueError):
+        raise pytest.UsageError(f"--gradequiv-{name}={text!r} is not a whole number") from None
+    if value < low:
+        raise pytest.UsageError(f"--gradequiv-{name}={value}: must be at least {low}")
+    return value
+
+
+def _bound(name: str, text: Any) -> float:
+    try:
+        value = float(text)
+    except (TypeError, ValueError):
+        raise pytest.UsageError(f"--gradequiv-{name}={text!r} is not a number") from None
+    if not 0 <= value < float("inf"):
+        raise pytest.UsageError(f"--gradequiv-{name}={value}: must be a finite number >= 0")
+    return value
+
+
+def _choice(name: str, value: str, choices: tuple[str, ...]) -> str:
+    if value not in choices:
+        raise pytest.UsageError(
+            f"--gradequiv-{name}={value!r} is not one of {', '.join(choices)}"
+        )
+    return value
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    options = runtime.OPTIONS
+    profile = _setting(config, "profile") or runtime.default_profile()
+    options.profile = _choice("profile", profile, runtime.PROFILES)
+    seed = _setting(config, "seed")
+    if seed is None and hasattr(config, "workerinput"):
+        seed = config.workerinput.get("gradequiv_seed")  # xdist: the controller's seed
+    if seed is None:
+        seed = 0 if options.profile == "ci" else random.randrange(2**16)
+    options.seed = _number("seed", seed, 0)
+    examples = _setting(config, "examples")
+    options.examples = None if examples is None else _number("examples", examples, 1)
+    options.impl = _setting(config, "impl")
+    options.impl_kwargs = list(_setting(config, "impl-kwarg") or [])
+    options.adapter = _setting(config, "adapter")
+    options.device = _choice("device", _setting(config, "device") or "auto",
+                             ("auto", "cpu", "cuda"))
+    report_dir = _setting(config, "report-dir")
+    options.report_dir = Path(report_dir) if report_dir else None
+    options.case = _setting(config, "case")
+    for name in ("rtol", "atol"):
+        value = _setting(config, name)
+        setattr(options, name, None if value is None else _bound(name, value))
+    runtime.CACHE.clear()
+    config.pluginmanager.register(_Gatherer(config), "gradequiv-gatherer")
+
+
+_SUITE = "gradequiv.properties.test_recompute"
+
+
+class _SuiteModule(pytest.Module):
+    """The suite, imported under its own name, afresh for each session.
+
+    pytest would derive a module name from the file's folders ('properties.
+    test_recompute') and could clash with a user's own 'properties' package;
+    and the suite reads the run's options when imported, so an earlier
+    in-process run must not linger.
+    """
+
+    def _getobj(self) -> Any:
+        sys.modules.pop(_SUITE, None)
+        return importlib.import_module(_SUITE)
+
+
+def pytest_pycollect_makemodule(module_path: Path, parent: pytest.Collector) -> Any:
+    if module_path.name == "test_recompute.py" and module_path.parent == Path(__file__).parent:
+        return _SuiteModule.from_parent(parent, path=module_path)
+    return None
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_configure_node(node: Any) -> None:
+    """xdist: every worker draws with the controller's seed."""
+    node.workerinput["gradequiv_seed"] = runtime.OPTIONS.seed
+
+
+def pytest_report_header(config: pytest.Config) -> str:
+    options = runtime.OPTIONS
+    return (f"gradequiv: Using --gradequiv-seed={options.seed} (profile {options.profile}, "
+            f"{options.max_examples} examples per property, impl {options.impl or 'unset'})")
+
+
+@pytest.fixture(scope="session")
+def recompute_impl() -> Any:
+    """The implementation under test; override this fixture in a conftest to supply your own."""
+    from gradequiv.harness import InvalidArgument, parse_impl_kwargs, resolve
+
+    options = runtime.OPTIONS
+    if not options.impl:
+        pytest.fail("no implementation to check: pass --gradequiv-impl SPEC (or set "
+                    "GRADEQUIV_IMPL), or override the recompute_impl fixture", pytrace=False)
+    try:
+        return resolve(options.impl, adapter=options.adapter,
+                       kwargs=parse_impl_kwargs(options.impl_kwargs))
+    except InvalidArgument as exc:
+        pytest.fail(str(exc), pytrace=False)
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) -> Any:
+    """Replay a suite test's minimal failure once, outside the cache: flaky or not."""
+    report = yield
+    if call.when == "call" and report.failed and "recompute_impl" in getattr(item, "funcargs", {}):
+        from gradequiv.properties.assertions import replay_passes
+
+        for key, failure in report.user_properties:
+            if key == FAILURE_KEY and replay_passes(item.funcargs["recompute_impl"], failure):
+                failure["flaky"] = True
+                report.longrepr = f"FLAKY (passed on replay: nondeterministic)\n{report.longrepr}"
+    return report
+
+
+class _Gatherer:
+    """Gathers verdicts and failures (from this process or xdist workers); writes the report."""
+
+    def __init__(self, config: pytest.Config) -> None:
+        self.config = config
+        self.records: dict[str, dict[str, Any]] = {}
+        self.failures: list[dict[str, Any]] = []
+        self.outcomes: dict[str, str] = {}
+        self.collected = False
+        self.is_worker = hasattr(config, "workerinput")
+
+    def pytest_collection_modifyitems(self, items: list[pytest.Item]) -> None:
+        self.collected = any("test_recompute.py::" in item.nodeid for item in items)
+
+    def pytest_runtest_logreport(self, report: pytest.TestReport) -> None:
+        if "test_recompute.py::" not in report.nodeid:
+            return
+        for key, value in report.user_properties:
+            if key == CASE_KEY:
+                self.records.setdefault(value["reproduce"], value)
+            elif key == FAILURE_KEY and report.failed and report.when == "call":
+                self.failures.append(dict(value, test=report.nodeid.split("::")[-1]))
+        if report.when == "call" or report.failed:
+            self.outcomes[report.nodeid.split("::")[-1]] = report.outcome
+
+    def pytest_terminal_summary(self, terminalreporter: Any) -> None:
+        if not self.outcomes:
+            return
+        write = terminalreporter.write_line
+        terminalreporter.section("gradequiv")
+        failing = sum(r["verdict"] == "fail" for r in self.records.values())
+        passed = sum(o == "passed" for o in self.outcomes.values())
+        write(f"{len(self.records)} case(s) verified, {failing} failing; "
+              f"{passed} of {len(self.outcomes)} property tests passed")
+        for failure in self.failures[:7]:
+            flaky = " [flaky]" if failure["flaky"] else ""
+            write(f"{failure['test']}{flaky}: {failure['description']}")
+            write(f"    {failure['message'].splitlines()[0]}")
+            write(f"    reproduce: {failure['reproduce']}")
+        if runtime.OPTIONS.report_dir is not None:
+            write(f"report: {runtime.OPTIONS.report_dir / 'report.json'}")
+        failed = self.failures or any(o != "passed" for o in self.outcomes.values())
+        write(f"verdict: {'FAIL' if failed else 'pass'} (Using --gradequiv-seed="
+              f"{runtime.OPTIONS.seed})")
+
+    def pytest_sessionfinish(self, exitstatus: int) -> None:
+        if self.is_worker or runtime.OPTIONS.report_dir is None or not self.collected:
+            return
+        self.write_report(complete=exitstatus in (0, 1))
+
+    def write_report(self, *, complete: bool) -> None:
+        """report.json: the engine's format, plus the suite's tests and minimal failures."""
+        from gradequiv.harness import resolve
+        from gradequiv.harness.adapters import parse_impl_kwargs
+        from gradequiv.harness.report import (
+            build_report,
+            first_mismatch,
+            run_conditions,
+            write_json_atomic,
+        )
+
+        options = runtime.OPTIONS
+        device = runtime.resolve_device(options.device)
+        impl = resolve(options.impl or "torch", adapter=options.adapter,
+                       kwargs=parse_impl_kwargs(options.impl_kwargs))
+        records = list(self.records.values())
+        report = build_report(command="check", impl=impl,
+                              conditions=run_conditions(device, options.seed),
+                              records=records, planned=len(records), complete=complete)
+        report["conditions"].update(profile=options.profile,
+                                    examples_per_property=options.max_examples)
+        report["tests"] = dict(sorted(self.outcomes.items()))
+        report["minimal_failures"] = self.failures
+        if self.failures:
+            first = self.failures[0]
+            record = self.records.get(first["reproduce"])
+            report["failure"] = {
+                "case": first["description"], "property": first["property"],
+                "message": first["message"], "flaky": first["flaky"],
+                "minimal_case": first["case"], "reproduce": first["reproduce"],
+                "first_mismatch": first_mismatch(record) if record else None,
+            }
+        if self.failures or any(v != "passed" for v in self.outcomes.values()):
+            report["verdict"] = "fail"
+        report["statistics"] = _statistics(records)
+        assert options.report_dir is not None
+        write_json_atomic(options.report_dir / "report.json", report)
+
+
+def _statistics(records: list[dict[str, Any]]) -> dict[str, Any]:
+    """How many cases of each regime ran, and the worst relative error seen."""
+    regimes: dict[str, int] = {}
+    worst = 0.0
+    for record in records:
+        case = record["case"]
+        for key in (f"dtype {case['dtype']}", f"granularity {case['granularity']}"):
+            regimes[key] = regimes.get(key, 0) + 1
+        for prop in record["properties"]:
+            for check in prop["checks"]:
+                if isinstance(check["rel_error"], float):
+                    worst = max(worst, check["rel_error"])
+    return {"cases_per_regime": dict(sorted(regimes.items())), "worst_relative_error": worst}

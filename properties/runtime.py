@@ -1,0 +1,95 @@
+"""State of one property-suite run: its options, its verdicts, its failures.
+
+The pytest plugin fills :data:`OPTIONS` in ``pytest_configure``, before the
+suite module is imported, so the suite's Hypothesis settings and seed come
+from the command line. Verdicts are cached per process by case: the six
+property tests draw the same cases from the same seed, so each case runs
+down its three paths once, whichever property asks first.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:  # torch stays unimported until a test runs
+    from gradequiv.harness import Case, Implementation, Verdict
+
+PROFILES = ("ci", "dev", "thorough")
+#: Examples per property test in each profile.
+PROFILE_EXAMPLES = {"ci": 20, "dev": 50, "thorough": 400}
+
+
+@dataclass
+class RunOptions:
+    impl: str | None = None
+    impl_kwargs: list[str] = field(default_factory=list)  # KEY=VALUE, parsed when resolved
+    adapter: str | None = None
+    seed: int = 0
+    examples: int | None = None  # overrides the profile's count
+    profile: str = "dev"
+    device: str = "auto"
+    report_dir: Path | None = None
+    case: str | None = None  # replay one case (JSON or a named case) instead of drawing
+    rtol: float | None = None  # explicit bounds, replacing the derived ones
+    atol: float | None = None
+
+    @property
+    def max_examples(self) -> int:
+        return self.examples if self.examples is not None else PROFILE_EXAMPLES[self.profile]
+
+    def reproduce_args(self) -> list[str]:
+        """Command-line options that run this suite again with the same draws."""
+        args = ["--impl", self.impl or "SPEC"]
+        for item in self.impl_kwargs:
+            args += ["--impl-kwarg", item]
+        if self.adapter:
+            args += ["--adapter", self.adapter]
+        return args + ["--seed", str(self.seed), "--examples", str(self.max_examples)]
+
+
+OPTIONS = RunOptions()
+
+
+def default_profile() -> str:
+    """``ci`` where Hypothesis itself detects CI (it then loads its own ``ci`` profile)."""
+    from hypothesis._settings import is_in_ci
+
+    return "ci" if is_in_ci() or os.environ.get("CI") else "dev"
+
+
+def resolve_device(choice: str) -> Any:
+    """``auto`` is CUDA when torch sees a GPU, else the CPU."""
+    import torch
+
+    if choice == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(choice)
+
+
+class VerdictCache:
+    """One verdict per (implementation, case) in this process."""
+
+    def __init__(self) -> None:
+        self._verdicts: dict[tuple[str, str, str], Verdict] = {}
+
+    def verify(self, impl: Implementation, case: Case, device: Any) -> tuple[Verdict, bool]:
+        """The verdict, and whether it was computed now (False: from the cache)."""
+        from gradequiv.harness import Tolerance, verify
+
+        key = (repr((impl.spec, impl.adapter, sorted(impl.kwargs.items()))), case.to_json(),
+               str(device))
+        if key in self._verdicts:
+            return self._verdicts[key], False
+        tolerance = Tolerance(case.dtype, OPTIONS.rtol, OPTIONS.atol)
+        verdict = verify(impl, case, device=device, tolerance=tolerance)
+        self._verdicts[key] = verdict
+        return verdict, True
+
+    def clear(self) -> None:
+        self._verdicts.clear()
+
+
+CACHE = VerdictCache()

@@ -1,0 +1,88 @@
+"""The property suite: one test per property, over cases Hypothesis draws.
+
+Run it with ``pytest --pyargs gradequiv.properties --gradequiv-impl SPEC``
+(``gradequiv check`` does exactly that). All six tests draw the same cases
+from the same seed, and verdicts are cached per case, so each case runs down
+its paths once; pytest-xdist may still spread the tests over workers.
+``test_named_case`` runs the fixed spread every time, whatever is drawn.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+from hypothesis import HealthCheck, given, seed, settings
+from hypothesis import strategies as st
+
+from gradequiv.harness import PROPERTIES, Case, Implementation, default_cases, find_case
+from gradequiv.properties import runtime
+from gradequiv.properties.assertions import assert_property
+from gradequiv.properties.strategies import cases
+
+OPTIONS = runtime.OPTIONS
+
+
+def _drawn_cases() -> st.SearchStrategy[Case]:
+    if OPTIONS.case is not None:
+        text = OPTIONS.case
+        return st.just(Case.from_json(text) if text.lstrip().startswith("{")
+                       else find_case(text))
+    device = runtime.resolve_device(OPTIONS.device).type
+    return cases(device=device)
+
+
+def _suite(test: Callable[..., None]) -> Callable[..., None]:
+    """Given drawn cases, with the run's seed and its profile's settings."""
+    profile = settings(
+        max_examples=1 if OPTIONS.case is not None else OPTIONS.max_examples,
+        deadline=None,
+        database=None if OPTIONS.profile == "ci" else settings.default.database,
+        derandomize=False,  # the run's seed decides the draws (see the header line)
+        print_blob=True,
+        suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture,
+                               HealthCheck.data_too_large],
+    )
+    return profile(seed(OPTIONS.seed)(given(case=_drawn_cases())(test)))
+
+
+@_suite
+def test_outputs(recompute_impl: Implementation, case: Case, request: Any) -> None:
+    assert_property("outputs", recompute_impl, case, request.node)
+
+
+@_suite
+def test_gradients(recompute_impl: Implementation, case: Case, request: Any) -> None:
+    assert_property("gradients", recompute_impl, case, request.node)
+
+
+@_suite
+def test_buffers(recompute_impl: Implementation, case: Case, request: Any) -> None:
+    assert_property("buffers", recompute_impl, case, request.node)
+
+
+@_suite
+def test_rng(recompute_impl: Implementation, case: Case, request: Any) -> None:
+    assert_property("rng", recompute_impl, case, request.node)
+
+
+@_suite
+def test_trajectory(recompute_impl: Implementation, case: Case, request: Any) -> None:
+    assert_property("trajectory", recompute_impl, case, request.node)
+
+
+@_suite
+def test_recompute(recompute_impl: Implementation, case: Case, request: Any) -> None:
+    assert_property("recompute", recompute_impl, case, request.node)
+
+
+_NAMED = [] if OPTIONS.case is not None else [c.name for c in default_cases()]
+
+
+@pytest.mark.parametrize("name", _NAMED)
+def test_named_case(recompute_impl: Implementation, name: str, request: Any) -> None:
+    """The fixed spread: every property on each named case."""
+    case = find_case(name).with_seed_offset(OPTIONS.seed)
+    for prop in PROPERTIES:
+        assert_property(prop, recompute_impl, case, request.node)
