@@ -77,12 +77,11 @@ def test_recompute(recompute_impl: Implementation, case: Case, request: Any) -> 
     assert_property("recompute", recompute_impl, case, request.node)
 
 
-_NAMED = [] if OPTIONS.case is not None else [c.name for c in default_cases()]
+if OPTIONS.case is None:  # replaying one case runs the six properties on it alone
 
-
-@pytest.mark.parametrize("name", _NAMED)
-def test_named_case(recompute_impl: Implementation, name: str, request: Any) -> None:
-    """The fixed spread: every property on each named case."""
-    case = find_case(name).with_seed_offset(OPTIONS.seed)
-    for prop in PROPERTIES:
-        assert_property(prop, recompute_impl, case, request.node)
+    @pytest.mark.parametrize("name", [c.name for c in default_cases()])
+    def test_named_case(recompute_impl: Implementation, name: str, request: Any) -> None:
+        """The fixed spread: every property on each named case."""
+        case = find_case(name).with_seed_offset(OPTIONS.seed)
+        for prop in PROPERTIES:
+            assert_property(prop, recompute_impl, case, request.node)

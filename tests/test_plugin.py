@@ -1,0 +1,130 @@
+"""The pytest plugin, driven with pytester: options, ini, env, fixture, header, report."""
+
+from __future__ import annotations
+
+import json
+import shlex
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from gradequiv.harness.cli import main
+
+SUITE = ["--pyargs", "gradequiv.properties", "-p", "no:cacheprovider"]
+ONE_CASE = "--gradequiv-case=1L-layer-dropout"
+
+
+def run(pytester: pytest.Pytester, *args: str) -> pytest.RunResult:
+    return pytester.runpytest(*SUITE, *args)
+
+
+def report_of(directory: Path) -> dict[str, Any]:
+    return json.loads((directory / "report.json").read_text())
+
+
+def test_the_header_says_how_to_reproduce_the_run(pytester: pytest.Pytester) -> None:
+    result = run(pytester, "--gradequiv-impl=torch", "--gradequiv-seed=7", ONE_CASE)
+    result.stdout.fnmatch_lines(["gradequiv: Using --gradequiv-seed=7 (profile *impl torch)"])
+    result.assert_outcomes(passed=6)
+
+
+def test_ini_keys_configure_the_run(pytester: pytest.Pytester) -> None:
+    pytester.makeini("[pytest]\ngradequiv_impl = torch\ngradequiv_seed = 21\n"
+                     "gradequiv_case = 1L-layer-dropout\n")
+    result = run(pytester)
+    result.stdout.fnmatch_lines(["*Using --gradequiv-seed=21*impl torch*"])
+    result.assert_outcomes(passed=6)
+
+
+def test_environment_beats_ini_and_the_command_line_beats_both(
+        pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch) -> None:
+    pytester.makeini("[pytest]\ngradequiv_seed = 21\n")
+    monkeypatch.setenv("GRADEQUIV_IMPL", "torch")
+    monkeypatch.setenv("GRADEQUIV_SEED", "11")
+    monkeypatch.setenv("GRADEQUIV_CASE", "1L-layer-dropout")
+    run(pytester).stdout.fnmatch_lines(["*Using --gradequiv-seed=11*"])
+    run(pytester, "--gradequiv-seed=3").stdout.fnmatch_lines(["*Using --gradequiv-seed=3*"])
+
+
+def test_impl_kwargs_from_the_environment_reach_the_implementation(
+        pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("GRADEQUIV_IMPL_KWARG", "preserve_rng_state=false")
+    result = run(pytester, "--gradequiv-impl=torch", ONE_CASE)
+    result.assert_outcomes(passed=3, failed=3)  # outputs, buffers, recompute still hold
+
+
+def test_a_conftest_can_override_the_implementation_fixture(pytester: pytest.Pytester) -> None:
+    pytester.makeconftest(
+        "import pytest, wrong_impls\n"
+        "from gradequiv.harness import Implementation\n"
+        "@pytest.fixture(scope='session')\n"
+        "def recompute_impl():\n"
+        "    return Implementation('mine', wrong_impls.no_op)\n"
+    )
+    result = run(pytester, ONE_CASE)
+    result.assert_outcomes(passed=5, failed=1)
+    result.stdout.fnmatch_lines(["test_recompute: *", "*ran 0 time(s) in backward*"])
+
+
+def test_without_an_implementation_every_test_says_how_to_give_one(
+        pytester: pytest.Pytester) -> None:
+    result = run(pytester, ONE_CASE)
+    result.assert_outcomes(errors=6)
+    result.stdout.fnmatch_lines(["*no implementation to check: pass --gradequiv-impl SPEC*"])
+
+
+@pytest.mark.parametrize("option, message", [
+    ("--gradequiv-profile=fast", "--gradequiv-profile='fast' is not one of ci, dev, thorough"),
+    ("--gradequiv-seed=-2", "--gradequiv-seed=-2: must be at least 0"),
+    ("--gradequiv-examples=some", "--gradequiv-examples='some' is not a whole number"),
+    ("--gradequiv-device=tpu", "--gradequiv-device='tpu' is not one of auto, cpu, cuda"),
+    ("--gradequiv-rtol=-1", "--gradequiv-rtol=-1.0: must be a finite number >= 0"),
+])
+def test_bad_options_are_usage_errors(pytester: pytest.Pytester, option: str,
+                                      message: str) -> None:
+    result = run(pytester, "--gradequiv-impl=torch", option)
+    assert result.ret == pytest.ExitCode.USAGE_ERROR
+    result.stderr.fnmatch_lines([f"*{message}*"])
+
+
+def test_the_report_is_written_with_every_case_and_the_regimes(
+        pytester: pytest.Pytester, tmp_path: Path) -> None:
+    result = run(pytester, "--gradequiv-impl=torch", "--gradequiv-examples=3",
+                 "--gradequiv-profile=ci", f"--gradequiv-report-dir={tmp_path}")
+    result.assert_outcomes(passed=6 + 13)
+    report = report_of(tmp_path)
+    assert report["verdict"] == "pass" and report["complete"] is True
+    assert len(report["cases"]) == 3 + 13  # the six tests drew the same three cases
+    assert report["conditions"]["profile"] == "ci"
+    regimes = report["statistics"]["cases_per_regime"]
+    assert sum(v for k, v in regimes.items() if k.startswith("dtype")) == 16
+
+
+def test_a_broken_implementation_shrinks_to_one_layer_and_its_command_fails_again(
+        pytester: pytest.Pytester, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    result = run(pytester, "--gradequiv-impl=torch", "--gradequiv-impl-kwarg",
+                 "preserve_rng_state=false", "--gradequiv-profile=ci", "--gradequiv-seed=0",
+                 "-k", "test_gradients", f"--gradequiv-report-dir={tmp_path / 'suite'}")
+    result.assert_outcomes(failed=1)
+    failure = report_of(tmp_path / "suite")["failure"]
+    minimal = failure["minimal_case"]
+    assert minimal["model"]["n_layer"] == 1 and minimal["model"]["n_head"] == 1
+    assert minimal["batch"] == {"batch_size": 1, "seq_len": 1, "padding": False}
+    assert failure["property"] == "gradients" and failure["flaky"] is False
+    args = shlex.split(failure["reproduce"])
+    assert args[:2] == ["gradequiv", "check"]
+    assert main([*args[1:], "--report-dir", str(tmp_path / "again")]) == 1
+    again = report_of(tmp_path / "again")["failure"]
+    assert again["minimal_case"] == minimal
+
+
+def test_the_suite_spreads_over_xdist_workers(pytester: pytest.Pytester, tmp_path: Path) -> None:
+    pytest.importorskip("xdist")
+    result = pytester.runpytest_subprocess(
+        *SUITE, "-n", "2", "--gradequiv-impl=torch", "--gradequiv-examples=2",
+        "--gradequiv-profile=ci", f"--gradequiv-report-dir={tmp_path}")
+    result.assert_outcomes(passed=6 + 13)
+    report = report_of(tmp_path)
+    assert report["verdict"] == "pass" and len(report["tests"]) == 6 + 13
+    assert len(report["cases"]) >= 13
