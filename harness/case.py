@@ -58,13 +58,19 @@ class Case:
         return "batchnorm" if isinstance(self.model, BatchNormConfig) else "transformer"
 
     def describe(self) -> str:
-        """A short human line: what makes this case this case."""
+        """A short human line: what makes this case this case, random sites included."""
         m = self.model
         if isinstance(m, TransformerConfig):
             size = f"{m.n_layer}L x {m.n_embd}w x {self.batch.seq_len}t"
+            sites = [f"{name.removesuffix('_dropout')} {p:g}" for name, p in (
+                ("embd_dropout", m.embd_dropout), ("attn_dropout", m.attn_dropout),
+                ("resid_dropout", m.resid_dropout), ("mlp_dropout", m.mlp_dropout),
+                ("drop_path", m.drop_path)) if p > 0]
+            sites += ["rrelu"] if m.activation == "rrelu" else []
         else:
             size = f"batchnorm {m.n_layer}L x {m.width}w"
-        rand = "random ops on" if m.has_randomness else "no random ops"
+            sites = [f"dropout {m.dropout:g}"] if m.dropout > 0 else []
+        rand = f"random: {', '.join(sites)}" if sites else "no random ops"
         return f"{size}, {self.granularity}, {self.dtype}, {rand}, seed {self.seed}"
 
     def to_dict(self) -> dict[str, Any]:

@@ -80,7 +80,7 @@ def build_parser() -> argparse.ArgumentParser:
                             "(default 0)")
     check.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
     check.add_argument("--case", default=None, metavar="NAME|JSON",
-                       help="run one case: a name from the spread or a case's JSON")
+                       help="replay one case: its JSON, a .json file holding it, or a named case")
     check.add_argument("--rtol", type=_tolerance, default=None,
                        help="explicit relative-error bound (replaces the derived one)")
     check.add_argument("--atol", type=_tolerance, default=None,
@@ -109,17 +109,15 @@ def _check(args: argparse.Namespace) -> int:
     import torch
 
     from gradequiv.harness.adapters import parse_impl_kwargs, resolve
-    from gradequiv.harness.case import Case
     from gradequiv.harness.compare import Tolerance
-    from gradequiv.harness.spread import find_case
+    from gradequiv.harness.spread import load_case
     from gradequiv.models import InvalidArgument
 
     try:
         impl = resolve(args.impl, adapter=args.adapter, kwargs=parse_impl_kwargs(args.impl_kwarg))
         device = _device(args.device, torch)
         if args.case is not None:
-            case = (Case.from_json(args.case) if args.case.lstrip().startswith("{")
-                    else find_case(args.case))
+            case = load_case(args.case)
             Tolerance(case.dtype, args.rtol, args.atol)
         Tolerance("fp32", args.rtol, args.atol)
     except InvalidArgument as exc:

@@ -10,6 +10,7 @@ come first so a broken implementation fails fast.
 from __future__ import annotations
 
 from dataclasses import replace
+from pathlib import Path
 
 from gradequiv.harness.case import Case
 from gradequiv.models import (
@@ -76,6 +77,19 @@ def extra_cases() -> list[Case]:
         _case("batchnorm-layer", BatchNormConfig(n_layer=2, width=16, dropout=0.1), "layer",
               batch=BatchConfig(4, 1), seed=20),
     ]
+
+
+def load_case(text: str) -> Case:
+    """A case from ``--case``: its JSON, a file holding that JSON, or a case name."""
+    if text.lstrip().startswith("{"):
+        return Case.from_json(text)
+    path = Path(text)
+    if path.suffix == ".json" or path.is_file():
+        try:
+            return Case.from_json(path.read_text(encoding="utf-8"))
+        except OSError as exc:
+            raise InvalidArgument(f"--case={text!r} could not be read: {exc}") from exc
+    return find_case(text)
 
 
 def find_case(name: str) -> Case:

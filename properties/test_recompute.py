@@ -17,6 +17,7 @@ from hypothesis import HealthCheck, given, seed, settings
 from hypothesis import strategies as st
 
 from gradequiv.harness import PROPERTIES, Case, Implementation, default_cases, find_case
+from gradequiv.harness.spread import load_case
 from gradequiv.properties import runtime
 from gradequiv.properties.assertions import assert_property
 from gradequiv.properties.strategies import cases
@@ -26,9 +27,7 @@ OPTIONS = runtime.OPTIONS
 
 def _drawn_cases() -> st.SearchStrategy[Case]:
     if OPTIONS.case is not None:
-        text = OPTIONS.case
-        return st.just(Case.from_json(text) if text.lstrip().startswith("{")
-                       else find_case(text))
+        return st.just(load_case(OPTIONS.case))
     device = runtime.resolve_device(OPTIONS.device).type
     return cases(device=device)
 

@@ -123,6 +123,7 @@ def test_an_interrupted_run_leaves_a_valid_report_marked_incomplete(
      "n_embd=10 is not divisible by n_head=3"),
     (["--impl", "torch", "--case", '{"granularity": "every:x"}'], "needs a whole number"),
     (["--impl", "torch", "--case", "{not json"], "is not valid JSON"),
+    (["--impl", "torch", "--case", "/nonexistent/case.json"], "could not be read"),
     (["--impl", "torch", "--rtol", "-1"], "must be a finite number >= 0"),
     ([], "the following arguments are required: --impl"),
 ])
@@ -148,3 +149,14 @@ def test_the_console_script_runs_as_a_module() -> None:
     done = subprocess.run([sys.executable, "-m", "gradequiv.harness", "check", "--impl", "x"],
                           capture_output=True, text=True, timeout=120)
     assert done.returncode == 2 and "gradequiv: error: --impl='x'" in done.stderr
+
+
+def test_a_case_file_replays_that_case(tmp_path: Path,
+                                       capsys: pytest.CaptureFixture[str]) -> None:
+    case_file = tmp_path / "case.json"
+    case_file.write_text('{"granularity": "mlp", "seed": 4}')
+    code, out, _ = check(capsys, "--impl", "torch", "--case", str(case_file),
+                         "--report-dir", str(tmp_path / "r"))
+    cases = read_report(tmp_path / "r")["cases"]
+    assert code == 0 and len(cases) == 1
+    assert cases[0]["case"]["granularity"] == "mlp" and cases[0]["case"]["seed"] == 4
