@@ -18,8 +18,7 @@ from gradequiv.harness import Case, Implementation, Tolerance, Verdict, verify
 from gradequiv.harness.report import reproduce_command, verdict_record
 from gradequiv.properties import runtime
 
-CASE_KEY = "gradequiv_case"
-FAILURE_KEY = "gradequiv_failure"
+CASE_KEY, FAILURE_KEY = runtime.CASE_KEY, runtime.FAILURE_KEY
 
 
 def assert_property(name: str, impl: Implementation, case: Case, node: pytest.Item) -> None:

@@ -18,7 +18,7 @@ from typing import Any
 import pytest
 
 from gradequiv.properties import runtime
-from gradequiv.properties.assertions import CASE_KEY, FAILURE_KEY
+from gradequiv.properties.runtime import CASE_KEY, FAILURE_KEY
 
 _OPTIONS: list[tuple[str, str, dict[str, Any]]] = [
     ("impl", "implementation SPEC: torch, torch-reentrant, an entry point, or module:attr", {}),

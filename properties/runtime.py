@@ -17,6 +17,10 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:  # torch stays unimported until a test runs
     from gradequiv.harness import Case, Implementation, Verdict
 
+#: user_properties keys that carry verdicts and failures from a test (or an xdist worker).
+CASE_KEY = "gradequiv_case"
+FAILURE_KEY = "gradequiv_failure"
+
 PROFILES = ("ci", "dev", "thorough")
 #: Examples per property test in each profile.
 PROFILE_EXAMPLES = {"ci": 20, "dev": 50, "thorough": 400}

@@ -128,3 +128,14 @@ def test_the_suite_spreads_over_xdist_workers(pytester: pytest.Pytester, tmp_pat
     report = report_of(tmp_path)
     assert report["verdict"] == "pass" and len(report["tests"]) == 6 + 13
     assert len(report["cases"]) >= 13
+
+
+def test_the_plugin_imports_neither_torch_nor_hypothesis() -> None:
+    import subprocess
+    import sys
+
+    code = ("import sys, gradequiv.properties.plugin; "
+            "print(sorted(m for m in ('torch', 'hypothesis') if m in sys.modules))")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          timeout=60, check=True)
+    assert done.stdout.strip() == "[]"
