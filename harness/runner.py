@@ -231,8 +231,10 @@ class _SegmentInputGrads:
             value.register_hook(self._store(f"input:{segment}:{arg}"))
 
     def _store(self, key: str) -> Any:
-        def hook(grad: Tensor) -> None:
-            self.grads[key] = grad.detach().clone()
+        def hook(grad: Tensor | None) -> None:
+            # A custom Function may hand None to an input that requires grad: no gradient.
+            if grad is not None:
+                self.grads[key] = grad.detach().clone()
 
         return hook
 

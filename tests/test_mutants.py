@@ -1,0 +1,34 @@
+"""Every mutant is caught by some property; the correct base passes everywhere."""
+
+from __future__ import annotations
+
+import pytest
+
+from gradequiv.harness import Implementation, default_cases, extra_cases, verify
+from gradequiv.harness.mutants import MUTANTS, Mutant, reference_checkpoint, switches
+
+CASES = default_cases() + [c for c in extra_cases() if c.model_kind == "batchnorm"]
+
+
+def test_every_fault_switch_has_a_mutant() -> None:
+    flipped = [[n for n in switches() if getattr(m.faults, n)] for m in MUTANTS]
+    assert all(len(names) == 1 for names in flipped)  # one fault each
+    assert len({m.name for m in MUTANTS}) == len(MUTANTS)
+    covered = {name for m in MUTANTS for name in switches() if getattr(m.faults, name)}
+    assert covered == set(switches()) and len(MUTANTS) >= 14
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda c: c.name)
+def test_the_correct_base_passes(case: object) -> None:
+    verdict = verify(Implementation("reference", reference_checkpoint), case)  # type: ignore[arg-type]
+    assert verdict.passed, verdict.first_failure
+
+
+@pytest.mark.parametrize("mutant", [m for m in MUTANTS if not m.cuda_only], ids=lambda m: m.name)
+def test_every_mutant_is_caught(mutant: Mutant) -> None:
+    impl = Implementation(mutant.name, mutant.impl)
+    for case in CASES:
+        verdict = verify(impl, case)
+        if not verdict.passed:
+            return
+    pytest.fail(f"{mutant.name} survived all {len(CASES)} cases")
