@@ -107,6 +107,9 @@ def run_path(
             _seed_stream(case.seed + 1, device)  # one training stream, the same for every path
             for step in range(1, case.steps + 1):
                 optimizer.zero_grad(set_to_none=True)
+                for t in inputs:  # input leaves are no parameters: zero_grad misses them
+                    if t is not None:
+                        t.grad = None
                 _reset(calls)
                 grads_in.reset()
                 where = f"step {step} forward"

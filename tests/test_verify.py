@@ -156,3 +156,15 @@ def test_impl_kwargs_reach_the_implementation() -> None:
     wrong = verify(resolve("torch", kwargs={"preserve_rng_state": False}), CASE)
     assert statuses(wrong)["gradients"] is False and statuses(wrong)["rng"] is False
     assert "relative error" in wrong.first_failure
+
+
+def test_a_steps_records_are_not_changed_by_later_steps() -> None:
+    """Input leaves keep .grad across steps unless reset; a record must hold its own step."""
+    from gradequiv.harness.runner import run_path
+
+    case = find_case("batchnorm-layer")
+    two = run_path(case, None, device=torch.device("cpu"))
+    three = run_path(replace(case, steps=3), None, device=torch.device("cpu"))
+    for key in ("input:model:arg0", "param:blocks.0.fc.weight"):
+        assert torch.equal(two.steps[0].grads[key], three.steps[0].grads[key]), key
+        assert torch.equal(two.steps[1].grads[key], three.steps[1].grads[key]), key
