@@ -87,13 +87,21 @@ def build_parser() -> argparse.ArgumentParser:
                        help="explicit absolute-error bound (a tensor within it passes)")
     check.add_argument("--report-dir", type=Path, default=None, metavar="DIR",
                        help="write DIR/report.json")
+    mutants = commands.add_parser(
+        "mutants", help="prove the suite catches every deliberately broken implementation")
+    mutants.add_argument("--examples", type=_count, default=20, metavar="N",
+                         help="examples per property for each implementation (default 20)")
+    mutants.add_argument("--seed", type=_seed, default=0, metavar="S")
+    mutants.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
+    mutants.add_argument("--report-dir", type=Path, default=None, metavar="DIR",
+                         help="write DIR/mutants.json and DIR/mutants.md")
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
     try:
         args = build_parser().parse_args(argv)
-        return _check(args)
+        return _mutants(args) if args.command == "mutants" else _check(args)
     except _UsageError as exc:
         print(f"gradequiv: error: {exc}", file=sys.stderr)
         return EXIT_USAGE
@@ -105,7 +113,6 @@ def main(argv: list[str] | None = None) -> int:
 def _check(args: argparse.Namespace) -> int:
     """Validate every option here (exit 2), then run the property suite under pytest."""
     # torch is imported here, not at module import, so --help and usage errors stay fast.
-    import pytest
     import torch
 
     from gradequiv.harness.adapters import parse_impl_kwargs, resolve
@@ -136,11 +143,47 @@ def _check(args: argparse.Namespace) -> int:
         pytest_args += ["-p", "gradequiv.properties.plugin"]
     print(f"gradequiv check: {impl.spec} ({impl.adapter}) on {device}, torch "
           f"{torch.__version__}, {torch.get_num_threads()} threads", flush=True)
-    code = int(pytest.main(pytest_args))
+    code = run_pytest(pytest_args)
     if code == 2:
         print("gradequiv: interrupted; the report keeps what finished, marked incomplete",
               file=sys.stderr)
     return {0: EXIT_PASS, 1: EXIT_FAIL, 2: EXIT_INTERRUPTED}.get(code, EXIT_USAGE)
+
+
+def run_pytest(args: list[str]) -> int:
+    """pytest.main on the suite, blind to the current folder's pytest configuration.
+
+    The caller's addopts, filterwarnings or plugins must not change a verdict;
+    an empty ini file in a temporary folder stands in for theirs.
+    """
+    import tempfile
+
+    import pytest
+
+    with tempfile.TemporaryDirectory(prefix="gradequiv-") as folder:
+        ini = Path(folder) / "pytest.ini"
+        ini.write_text("[pytest]\n", encoding="utf-8")
+        return int(pytest.main(["-c", str(ini), f"--rootdir={folder}", *args]))
+
+
+def _mutants(args: argparse.Namespace) -> int:
+    import torch
+
+    from gradequiv.harness import mutation
+    from gradequiv.harness.report import run_conditions
+
+    device = _device(args.device, torch)
+    print(f"gradequiv mutants: {len(mutation.MUTANTS)} mutants, {len(mutation.CORRECT)} correct "
+          f"implementations first; {args.examples} examples per property, seed {args.seed}, "
+          f"{device}", flush=True)
+    outcomes = mutation.run_all(seed=args.seed, examples=args.examples, device=device.type,
+                                progress=lambda line: print(line, flush=True))
+    summary = mutation.score(outcomes)
+    print(mutation.markdown(outcomes, summary).splitlines()[0])
+    if args.report_dir is not None:
+        mutation.write(args.report_dir, outcomes, summary, run_conditions(device, args.seed))
+        print(f"report: {args.report_dir / 'mutants.json'}, {args.report_dir / 'mutants.md'}")
+    return EXIT_PASS if summary["verdict"] == "pass" else EXIT_FAIL
 
 
 def _device(choice: str, torch: Any) -> Any:

@@ -217,3 +217,10 @@ def _recompute_state(run: _Run, module: nn.Module | None) -> Iterator[None]:
 def switches() -> list[str]:
     """Every fault switch, for listings and checks that the registry covers them."""
     return [f.name for f in fields(Faults)]
+
+
+# Each mutant as a module attribute, so a SPEC can name it:
+# ``gradequiv check --impl gradequiv.harness.mutants:no_rng_restore``.
+for _mutant_entry in MUTANTS:
+    globals()[_mutant_entry.name.replace("-", "_")] = _mutant_entry.impl
+del _mutant_entry

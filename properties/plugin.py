@@ -33,6 +33,10 @@ _OPTIONS: list[tuple[str, str, dict[str, Any]]] = [
     ("case", "replay one case: its JSON, or a named case", {}),
     ("rtol", "explicit relative-error bound (replaces the derived one)", {}),
     ("atol", "explicit absolute-error bound (a tensor within it passes)", {}),
+    ("models", "reference models to draw cases for, comma-separated: transformer, batchnorm "
+               "(default transformer)", {}),
+    ("no-shrink", "report the first failing example as found, without shrinking it",
+     {"action": "store_true"}),
 ]
 
 
@@ -46,7 +50,8 @@ def pytest_addoption(parser: pytest.Parser) -> None:
         group.addoption(f"--gradequiv-{name}", dest=_dest(name), default=None,
                         help=f"{help_text}; env GRADEQUIV_{name.upper().replace('-', '_')}, "
                              f"ini {_dest(name)}", **extra)
-        parser.addini(_dest(name), help_text, type="linelist" if extra else "string")
+        kind = {"append": "linelist", "store_true": "bool"}.get(extra.get("action", ""), "string")
+        parser.addini(_dest(name), help_text, type=kind)
 
 
 def _setting(config: pytest.Config, name: str) -> Any:
@@ -111,6 +116,11 @@ def pytest_configure(config: pytest.Config) -> None:
     for name in ("rtol", "atol"):
         value = _setting(config, name)
         setattr(options, name, None if value is None else _bound(name, value))
+    models = tuple(m.strip() for m in (_setting(config, "models") or "transformer").split(","))
+    for model in models:
+        _choice("models", model, ("transformer", "batchnorm"))
+    options.models = models
+    options.shrink = not _setting(config, "no-shrink")
     runtime.CACHE.clear()
     config.pluginmanager.register(_Gatherer(config), "gradequiv-gatherer")
 

@@ -39,6 +39,8 @@ class RunOptions:
     case: str | None = None  # replay one case (JSON or a named case) instead of drawing
     rtol: float | None = None  # explicit bounds, replacing the derived ones
     atol: float | None = None
+    models: tuple[str, ...] = ("transformer",)  # reference models the cases are drawn for
+    shrink: bool = True  # False: stop at the first failing example (mutant runs)
 
     @property
     def max_examples(self) -> int:

@@ -16,6 +16,7 @@ from hypothesis import strategies as st
 from gradequiv.harness.case import Case
 from gradequiv.models import (
     BatchConfig,
+    BatchNormConfig,
     Granularity,
     InvalidArgument,
     TransformerConfig,
@@ -24,7 +25,9 @@ from gradequiv.models import (
 
 __all__ = [
     "DROPOUT_SITES",
+    "MODELS",
     "batch_configs",
+    "batchnorm_cases",
     "cases",
     "dropout_regimes",
     "dtype_regimes",
@@ -32,6 +35,9 @@ __all__ = [
     "seeds",
     "transformer_configs",
 ]
+
+#: Reference models a case can be drawn for.
+MODELS = ("transformer", "batchnorm")
 
 #: The random sites of the reference transformer, as config fields.
 DROPOUT_SITES = ("attn_dropout", "resid_dropout", "mlp_dropout", "embd_dropout", "drop_path")
@@ -159,10 +165,27 @@ def seeds() -> st.SearchStrategy[int]:
 
 
 @st.composite
+def batchnorm_cases(draw: st.DrawFn, *, device: str = "cpu") -> Case:
+    """Return a strategy for cases of the BatchNorm model (the buffers property's model).
+
+    Shrinks towards one layer, width 8, no dropout, two samples, fp32.
+    """
+    n_layer = draw(st.integers(1, 3))
+    model = BatchNormConfig(n_layer=n_layer, width=draw(st.sampled_from([8, 16, 32])),
+                            dropout=draw(st.sampled_from([0.0, 0.1, 0.3])))
+    granularity = draw(st.sampled_from(
+        ["layer"] + [f"every:{k}" for k in range(2, n_layer + 1)]).map(parse_granularity))
+    return Case(model=model, batch=BatchConfig(batch_size=draw(st.integers(2, 8)), seq_len=1),
+                granularity=granularity, dtype=draw(dtype_regimes(device=device)),
+                seed=draw(seeds()))
+
+
+@st.composite
 def cases(
     draw: st.DrawFn,
     *,
     device: str = "cpu",
+    models: tuple[str, ...] = ("transformer",),
     max_layers: int = 4,
     max_width: int = 128,
     max_seq_len: int = 32,
@@ -170,9 +193,20 @@ def cases(
 ) -> Case:
     """Return a strategy for whole cases: model, batch, granularity, dtype, seed.
 
-    The largest cases (4 layers x 128 wide x 32 tokens x 4 sequences) give
-    segment inputs of 16k elements. Shrinks towards the cheapest case.
+    ``models`` picks the reference models drawn from (``MODELS``); the
+    default leaves out the BatchNorm model, whose running statistics torch's
+    own checkpoint updates twice. The largest transformer cases (4 layers x
+    128 wide x 32 tokens x 4 sequences) give segment inputs of 16k elements.
+    Shrinks towards the cheapest case of the first model.
     """
+    unknown = set(models) - set(MODELS)
+    if not models or unknown:
+        raise InvalidArgument(
+            f"models={models!r}: pick one or more of {', '.join(MODELS)}"
+        )
+    kind = draw(st.sampled_from(models))
+    if kind == "batchnorm":
+        return draw(batchnorm_cases(device=device))
     model = draw(transformer_configs(max_layers=max_layers, max_width=max_width,
                                      **config_kwargs))
     return Case(

@@ -13,7 +13,7 @@ from collections.abc import Callable
 from typing import Any
 
 import pytest
-from hypothesis import HealthCheck, given, seed, settings
+from hypothesis import HealthCheck, Phase, given, seed, settings
 from hypothesis import strategies as st
 
 from gradequiv.harness import PROPERTIES, Case, Implementation, default_cases, find_case
@@ -29,7 +29,7 @@ def _drawn_cases() -> st.SearchStrategy[Case]:
     if OPTIONS.case is not None:
         return st.just(load_case(OPTIONS.case))
     device = runtime.resolve_device(OPTIONS.device).type
-    return cases(device=device)
+    return cases(device=device, models=OPTIONS.models)
 
 
 def _suite(test: Callable[..., None]) -> Callable[..., None]:
@@ -40,6 +40,7 @@ def _suite(test: Callable[..., None]) -> Callable[..., None]:
         database=None if OPTIONS.profile == "ci" else settings.default.database,
         derandomize=False,  # the run's seed decides the draws (see the header line)
         print_blob=True,
+        phases=[p for p in Phase if OPTIONS.shrink or p not in (Phase.shrink, Phase.explain)],
         suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture,
                                HealthCheck.data_too_large],
     )

@@ -32,3 +32,20 @@ def test_every_mutant_is_caught(mutant: Mutant) -> None:
         if not verdict.passed:
             return
     pytest.fail(f"{mutant.name} survived all {len(CASES)} cases")
+
+
+def test_the_mutants_command_catches_all_and_passes_the_correct(tmp_path: object) -> None:
+    import json
+    from pathlib import Path
+
+    from gradequiv.harness.cli import main
+
+    folder = Path(str(tmp_path))
+    assert main(["mutants", "--examples", "5", "--report-dir", str(folder)]) == 0
+    report = json.loads((folder / "mutants.json").read_text())
+    summary = report["summary"]
+    assert summary["killed"] == summary["valid"] == len([m for m in MUTANTS if not m.cuda_only])
+    assert summary["correct_pass"] is True and report["verdict"] == "pass"
+    roles = {o["name"]: o["status"] for o in report["outcomes"]}
+    assert roles["torch"] == "passed" and roles["stale-recompute"] == "caught"
+    assert "Mutation score" in (folder / "mutants.md").read_text()

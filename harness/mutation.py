@@ -1,0 +1,134 @@
+"""``gradequiv mutants``: prove the property suite catches every mutant and flags no correct one.
+
+Runs the suite (under pytest, without shrinking, stopping at the first
+failure) against the correct implementations first, as a baseline: a broken
+harness that fails everything cannot then report a perfect score. Then
+against every mutant. The mutation score is killed / valid, where CUDA-only
+mutants on a machine without CUDA are not valid (skipped, with the reason).
+"""
+
+from __future__ import annotations
+
+import json
+import tempfile
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+from gradequiv.harness.mutants import MUTANTS
+from gradequiv.harness.report import write_json_atomic
+
+#: Correct implementations the suite must pass: torch's two, and the mutants' base.
+CORRECT = {
+    "torch": ("transformer",),
+    "torch-reentrant": ("transformer",),
+    # torch's checkpoint updates BatchNorm statistics twice; the base restores them.
+    "gradequiv.harness.mutants:reference_checkpoint": ("transformer", "batchnorm"),
+}
+MUTANT_MODELS = ("transformer", "batchnorm")
+MODULE = "gradequiv.harness.mutants"
+
+
+@dataclass
+class Outcome:
+    name: str
+    spec: str
+    role: str  # "correct" or "mutant"
+    status: str  # correct: "passed" / "flagged"; mutant: "caught" / "survived" / "skipped"
+    caught_by: str  # the first failing property test, or the skip reason
+    examples: int  # cases verified up to and including the first failure
+    seconds: float
+    models: str
+
+
+def run_suite(spec: str, models: tuple[str, ...], *, seed: int, examples: int,
+              device: str) -> tuple[int, dict[str, Any]]:
+    """One suite run in this process; its exit code and report."""
+    from gradequiv.harness.cli import run_pytest
+
+    with tempfile.TemporaryDirectory(prefix="gradequiv-mutants-") as folder:
+        args = ["--pyargs", "gradequiv.properties", "-p", "no:cacheprovider", "-x",
+                "-p", "no:terminal",
+                f"--gradequiv-impl={spec}", f"--gradequiv-seed={seed}",
+                f"--gradequiv-examples={examples}", "--gradequiv-profile=ci",
+                "--gradequiv-no-shrink", f"--gradequiv-models={','.join(models)}",
+                f"--gradequiv-device={device}", f"--gradequiv-report-dir={folder}"]
+        code = run_pytest(args)
+        report_file = Path(folder) / "report.json"
+        report = json.loads(report_file.read_text()) if report_file.exists() else {}
+    return code, report
+
+
+def _first_failure(report: dict[str, Any]) -> tuple[str, int]:
+    failing = [name for name, outcome in report.get("tests", {}).items() if outcome != "passed"]
+    cases = report.get("cases", [])
+    first = next((i for i, c in enumerate(cases, start=1) if c["verdict"] == "fail"), len(cases))
+    return (failing[0] if failing else ""), first
+
+
+def run_all(*, seed: int = 0, examples: int = 20, device: str = "cpu",
+            progress: Any = print) -> list[Outcome]:
+    """Baseline first, then every mutant; one Outcome each."""
+    outcomes = []
+    for spec, models in CORRECT.items():
+        started = time.perf_counter()
+        code, report = run_suite(spec, models, seed=seed, examples=examples, device=device)
+        test, count = _first_failure(report)
+        status = "passed" if code == 0 else "flagged"
+        outcomes.append(Outcome(spec.rsplit(":", 1)[-1], spec, "correct", status, test,
+                                len(report.get("cases", [])), time.perf_counter() - started,
+                                ",".join(models)))
+        progress(_line(outcomes[-1]))
+    for mutant in MUTANTS:
+        spec = f"{MODULE}:{mutant.name.replace('-', '_')}"
+        if mutant.cuda_only and device != "cuda":
+            outcomes.append(Outcome(mutant.name, spec, "mutant", "skipped",
+                                    "needs CUDA (the fault is in the CUDA generator)", 0, 0.0,
+                                    ",".join(MUTANT_MODELS)))
+            progress(_line(outcomes[-1]))
+            continue
+        started = time.perf_counter()
+        code, report = run_suite(spec, MUTANT_MODELS, seed=seed, examples=examples,
+                                 device=device)
+        test, count = _first_failure(report)
+        status = "caught" if code == 1 else "survived"
+        outcomes.append(Outcome(mutant.name, spec, "mutant", status, test, count,
+                                time.perf_counter() - started, ",".join(MUTANT_MODELS)))
+        progress(_line(outcomes[-1]))
+    return outcomes
+
+
+def _line(o: Outcome) -> str:
+    detail = f" by {o.caught_by}" if o.caught_by else ""
+    return f"{o.role:7s} {o.name:28s} {o.status}{detail} ({o.examples} cases, {o.seconds:.1f}s)"
+
+
+def score(outcomes: list[Outcome]) -> dict[str, Any]:
+    mutants = [o for o in outcomes if o.role == "mutant" and o.status != "skipped"]
+    killed = sum(o.status == "caught" for o in mutants)
+    correct_ok = all(o.status == "passed" for o in outcomes if o.role == "correct")
+    return {"killed": killed, "valid": len(mutants),
+            "mutation_score": killed / len(mutants) if mutants else 0.0,
+            "correct_pass": correct_ok,
+            "verdict": "pass" if correct_ok and killed == len(mutants) else "fail"}
+
+
+def markdown(outcomes: list[Outcome], summary: dict[str, Any]) -> str:
+    rows = ["| role | implementation | result | caught by | cases | seconds |",
+            "|---|---|---|---|---|---|"]
+    rows += [f"| {o.role} | {o.name} | {o.status} | {o.caught_by or '-'} | {o.examples} | "
+             f"{o.seconds:.1f} |" for o in outcomes]
+    head = (f"**Mutation score {summary['killed']}/{summary['valid']} "
+            f"({summary['mutation_score']:.0%})**; correct implementations "
+            f"{'all pass' if summary['correct_pass'] else 'FLAGGED'}: {summary['verdict']}")
+    return head + "\n\n" + "\n".join(rows) + "\n"
+
+
+def write(folder: Path, outcomes: list[Outcome], summary: dict[str, Any],
+          conditions: dict[str, Any]) -> None:
+    write_json_atomic(folder / "mutants.json", {
+        "schema_version": 1, "command": "mutants", "verdict": summary["verdict"],
+        "summary": summary, "conditions": conditions,
+        "outcomes": [asdict(o) for o in outcomes]})
+    (folder / "mutants.md").write_text(markdown(outcomes, summary), encoding="utf-8")
