@@ -139,3 +139,13 @@ def test_the_plugin_imports_neither_torch_nor_hypothesis() -> None:
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                           timeout=60, check=True)
     assert done.stdout.strip() == "[]"
+
+
+def test_a_failure_that_does_not_come_back_on_replay_is_called_flaky(
+        pytester: pytest.Pytester, tmp_path: Path) -> None:
+    result = run(pytester, "--gradequiv-impl=wrong_impls:wrong_only_at_first", ONE_CASE,
+                 "-k", "test_gradients", f"--gradequiv-report-dir={tmp_path}")
+    result.assert_outcomes(failed=1)
+    result.stdout.fnmatch_lines(["*FLAKY (passed on replay: nondeterministic)*",
+                                 "test_gradients [[]flaky[]]: *"])
+    assert report_of(tmp_path)["failure"]["flaky"] is True

@@ -144,3 +144,12 @@ def toggle_on(model: nn.Module) -> None:
 
 def toggle_forgotten(model: nn.Module) -> None:
     """A wrong toggle: says it enabled recompute, did nothing."""
+
+
+_flaky_calls = itertools.count()
+
+
+def wrong_only_at_first(fn: Any, *args: Any, **kwargs: Any) -> Any:
+    """Nondeterministic in effect: skews gradients on its first two calls in the process only."""
+    out = _checkpoint(fn, *args, **kwargs)
+    return _ScaleGrad.apply(out, 1 + 1e-3) if next(_flaky_calls) < 2 else out
