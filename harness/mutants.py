@@ -26,9 +26,11 @@ class Faults:
     """One switch per fault; all off is the correct checkpoint."""
 
     no_rng_restore: bool = False  # the recompute draws fresh dropout masks
+    rng_lost_on_first_call: bool = False  # state captured lazily: the first recompute misses it
     rng_captured_late: bool = False  # RNG state saved after the forward ran, not before
     reseeded: bool = False  # recompute seeds a fixed value instead of restoring the state
     caller_stream_moved: bool = False  # restores for the recompute, never gives the caller's back
+    caller_stream_moved_once: bool = False  # the same, on each segment's first recompute only
     cuda_rng_not_restored: bool = False  # CPU state restored, the CUDA generator's not
     dropout_off: bool = False  # recompute runs the segment in eval mode
     autocast_lost: bool = False  # recompute runs outside the caller's autocast
@@ -64,11 +66,15 @@ def _mutant(switch: str, models: str, cuda_only: bool = False) -> Mutant:
 
 MUTANTS: tuple[Mutant, ...] = (
     _mutant("no_rng_restore", "checkpoint with preserve_rng_state=False around dropout"),
+    _mutant("rng_lost_on_first_call", "RNG state saved lazily on first use, so each "
+                                      "segment's first recompute draws fresh masks"),
     _mutant("rng_captured_late", "RNG state captured after the segment ran, as in code that "
                                  "saves state lazily on first backward"),
     _mutant("reseeded", "recompute calls manual_seed(fixed) instead of restoring the state"),
     _mutant("caller_stream_moved", "set_rng_state for the recompute without fork_rng: the "
                                    "caller's stream is left where the recompute put it"),
+    _mutant("caller_stream_moved_once", "the caller's stream moved by a segment's first "
+                                        "recompute only (a warm-up path without fork_rng)"),
     _mutant("cuda_rng_not_restored", "only torch.get_rng_state() saved; CUDA dropout differs",
             cuda_only=True),
     _mutant("dropout_off", "recompute under model.eval() or with dropout disabled"),
@@ -95,6 +101,9 @@ def reference_checkpoint(function: Callable[..., Any], *args: Any, **kwargs: Any
     """The correct base: every fault switched off."""
     return checkpoint_with_faults(function, *args, faults=Faults(), **kwargs)
 
+
+#: Segments recomputed at least once, for the first-call faults; dies with the model.
+_RECOMPUTED: weakref.WeakSet[Any] = weakref.WeakSet()
 
 #: The first step's saved inputs per segment, for the stale-recompute fault; dies with the model.
 _STALE: weakref.WeakKeyDictionary[Any, tuple[Tensor, ...]] = weakref.WeakKeyDictionary()
@@ -165,7 +174,9 @@ class _Recompute(torch.autograd.Function):
         inputs = tuple(t.detach().requires_grad_(t.requires_grad) for t in saved)
         module = run.function if isinstance(run.function, nn.Module) else None
         buffers = [b.clone() for b in module.buffers()] if module is not None else []
-        with _recompute_state(run, module), torch.enable_grad():
+        first = run.function not in _RECOMPUTED
+        _RECOMPUTED.add(run.function)
+        with _recompute_state(run, module, first), torch.enable_grad():
             out = run.call(inputs)
         outs = out if isinstance(out, tuple) else (out,)
         if faults.gradient_skew:
@@ -185,15 +196,16 @@ class _Recompute(torch.autograd.Function):
 
 
 @contextlib.contextmanager
-def _recompute_state(run: _Run, module: nn.Module | None) -> Iterator[None]:
+def _recompute_state(run: _Run, module: nn.Module | None, first: bool) -> Iterator[None]:
     """RNG, autocast and train mode as the first run had them (unless a fault says)."""
     faults = run.faults
-    fork = contextlib.nullcontext() if faults.caller_stream_moved else torch.random.fork_rng(
+    moved = faults.caller_stream_moved or (faults.caller_stream_moved_once and first)
+    fork = contextlib.nullcontext() if moved else torch.random.fork_rng(
         devices=list(range(torch.cuda.device_count())) if run.cuda_rng else [])
     with fork:
         if faults.reseeded:
             torch.manual_seed(0)
-        elif not faults.no_rng_restore:
+        elif not (faults.no_rng_restore or (faults.rng_lost_on_first_call and first)):
             assert run.cpu_rng is not None
             torch.set_rng_state(run.cpu_rng)
             if run.cuda_rng and not faults.cuda_rng_not_restored:

@@ -16,6 +16,7 @@ traceback: it becomes a failed verdict, never a crash of the harness.
 from __future__ import annotations
 
 import contextlib
+import copy
 import inspect
 import time
 import traceback
@@ -58,6 +59,16 @@ class PathRun:
     error: str | None = None  # traceback of an exception raised inside the path
     error_at: str = ""  # "step 1 forward", "step 2 backward", ...
     warnings: list[str] = field(default_factory=list)
+    starts: list[StepStart] = field(default_factory=list)  # state at the start of steps 2, 3, ...
+
+
+@dataclass
+class StepStart:
+    """Where a step begins: weights, optimizer state, RNG state (for ``start_from``)."""
+
+    params: dict[str, Tensor]
+    optimizer: dict[str, Any]
+    rng: dict[str, Tensor]
 
 
 class _Phase:
@@ -81,8 +92,15 @@ def run_path(
     *,
     device: torch.device,
     count_memory: bool = False,
+    start_from: PathRun | None = None,
 ) -> PathRun:
-    """Train ``case`` for its steps; ``impl=None`` is the full-storage path."""
+    """Train ``case`` for its steps; ``impl=None`` is the full-storage path.
+
+    With ``start_from`` (the reference path), every step after the first
+    begins from the state the reference had there, so a fault is reported at
+    the step it happens in, not smeared over the steps after it. Without it,
+    that state is recorded for the other paths to start from.
+    """
     run = PathRun()
     workload = build(case.model, case.batch, case.seed, device)
     model = workload.model
@@ -106,6 +124,11 @@ def run_path(
             model.train()
             _seed_stream(case.seed + 1, device)  # one training stream, the same for every path
             for step in range(1, case.steps + 1):
+                if step > 1 and start_from is not None:
+                    where = f"step {step} start"
+                    _restore(start_from.starts[step - 2], params, optimizer, device)
+                elif step > 1:
+                    run.starts.append(_snapshot(params, optimizer, device))
                 optimizer.zero_grad(set_to_none=True)
                 for t in inputs:  # input leaves are no parameters: zero_grad misses them
                     if t is not None:
@@ -133,6 +156,30 @@ def run_path(
     run.seconds = time.perf_counter() - started
     run.warnings = sorted({f"{w.category.__name__}: {w.message}" for w in caught})
     return run
+
+
+def _rng_states(device: torch.device) -> dict[str, Tensor]:
+    states = {"cpu": torch.get_rng_state()}
+    if device.type == "cuda":
+        states[f"cuda:{device.index or 0}"] = torch.cuda.get_rng_state(device)
+    return states
+
+
+def _snapshot(params: list[tuple[str, nn.Parameter]], optimizer: torch.optim.Optimizer,
+              device: torch.device) -> StepStart:
+    return StepStart(params={n: p.detach().clone() for n, p in params},
+                     optimizer=copy.deepcopy(optimizer.state_dict()), rng=_rng_states(device))
+
+
+def _restore(start: StepStart, params: list[tuple[str, nn.Parameter]],
+             optimizer: torch.optim.Optimizer, device: torch.device) -> None:
+    with torch.no_grad():
+        for name, p in params:
+            p.copy_(start.params[name])
+    optimizer.load_state_dict(copy.deepcopy(start.optimizer))
+    torch.set_rng_state(start.rng["cpu"])
+    if device.type == "cuda":
+        torch.cuda.set_rng_state(start.rng[f"cuda:{device.index or 0}"], device)
 
 
 def _forward(
@@ -260,9 +307,7 @@ def _record(
         if t is not None and t.requires_grad:
             grads[f"input:model:arg{i}"] = None if t.grad is None else t.grad.detach()
     grads.update(grads_in)
-    rng = {"cpu": torch.get_rng_state()}
-    if device.type == "cuda":
-        rng[f"cuda:{device.index or 0}"] = torch.cuda.get_rng_state(device)
+    rng = _rng_states(device)
     return StepRecord(
         loss=loss.detach(),
         outputs=outputs.detach(),

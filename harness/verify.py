@@ -8,7 +8,9 @@ noise floor) and the recompute path once, then checks, in this order:
    including which exist at all;
 3. ``buffers``: buffers after the first step;
 4. ``rng``: the global RNG state after every step;
-5. ``trajectory``: losses, gradients and weights over the later steps;
+5. ``trajectory``: losses, gradients and weights over the later steps, each
+   step started from the full path's weights, optimizer and RNG state, so a
+   fault shows at the step it happens in (a step-1 fault is not counted again);
 6. ``recompute``: each selected segment ran once in forward and once again in
    backward, and fewer activation bytes were held than on the full path.
 
@@ -125,8 +127,8 @@ def verify(
                 f"the full-storage path of case {case.describe()} failed at {full.error_at}; "
                 f"this is a fault of the model, not of the implementation:\n{full.error}"
             )
-        floor = run_path(case, None, device=device)
-        recompute = run_path(case, impl, device=device, count_memory=True)
+        floor = run_path(case, None, device=device, start_from=full)
+        recompute = run_path(case, impl, device=device, count_memory=True, start_from=full)
     verdict.seconds = {"full": full.seconds, "floor": floor.seconds,
                        "recompute": recompute.seconds}
     verdict.held_bytes = {"full": full.held_bytes, "recompute": recompute.held_bytes}
