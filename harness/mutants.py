@@ -39,6 +39,7 @@ class Faults:
     inputs_detached: bool = False  # segment run on detached inputs: no gradient reaches them
     stale_recompute: bool = False  # later steps recompute from the first step's inputs
     no_op: bool = False  # keeps every activation: nothing recomputed, nothing saved
+    padding_zeroed: bool = False  # forward writes zeros at padded positions (an unpadding path)
     gradient_skew: bool = False  # gradients through the segment off by a relative 1e-4
     buffers_updated_twice: bool = False  # recompute updates running statistics again
     crash_in_backward: bool = False  # backward raises
@@ -84,6 +85,8 @@ MUTANTS: tuple[Mutant, ...] = (
     _mutant("inputs_detached", "inputs detached before the segment: no gradient flows back"),
     _mutant("stale_recompute", "recompute reuses the boundary saved on the first step"),
     _mutant("no_op", "a 'checkpoint' that just calls the function: no memory saved"),
+    _mutant("padding_zeroed", "an unpadding fast path that returns zeros at padded positions: "
+                              "outputs differ only where the loss does not look"),
     _mutant("gradient_skew", "a small systematic error in the recomputed gradient"),
     _mutant("buffers_updated_twice", "BatchNorm running statistics updated by the recompute"),
     _mutant("crash_in_backward", "backward raises (freed buffer, shape bug)"),
@@ -119,7 +122,13 @@ def checkpoint_with_faults(
         args = tuple(a.detach() if isinstance(a, Tensor) else a for a in args)
     run = _Run(function, args, kwargs, faults)
     tensors = [a for a in args if isinstance(a, Tensor)]
-    return _Recompute.apply(run, *tensors)
+    out = _Recompute.apply(run, *tensors)
+    if faults.padding_zeroed:
+        mask = next((a for a in args if isinstance(a, Tensor) and a.dtype == torch.bool
+                     and a.dim() == 2), None)
+        if mask is not None and isinstance(out, Tensor) and out.shape[:2] == mask.shape:
+            out = out * mask[..., None].to(out.dtype)
+    return out
 
 
 @dataclass

@@ -115,7 +115,8 @@ def score(outcomes: list[Outcome]) -> dict[str, Any]:
 
 
 def markdown(outcomes: list[Outcome], summary: dict[str, Any]) -> str:
-    rows = ["| role | implementation | result | caught by | cases | seconds |",
+    rows = ["| role | implementation | result | caught by | cases (mutants: until caught) | "
+            "seconds |",
             "|---|---|---|---|---|---|"]
     rows += [f"| {o.role} | {o.name} | {o.status} | {o.caught_by or '-'} | {o.examples} | "
              f"{o.seconds:.1f} |" for o in outcomes]

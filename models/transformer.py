@@ -54,6 +54,26 @@ class DropPath(nn.Module):
         return x * keep.bernoulli_(1.0 - self.p) / (1.0 - self.p)
 
 
+class RandomSlopeReLU(nn.Module):
+    """RReLU-like noise: negative inputs scaled by a random slope drawn per element.
+
+    Unlike torch's RReLU (whose CPU kernel draws only for non-positive
+    inputs), it draws for every element, so how far the random stream moves
+    does not depend on the values: an RNG difference then always means a
+    recompute fault, never a downstream echo of one.
+    """
+
+    def __init__(self, lower: float = 1 / 8, upper: float = 1 / 3) -> None:
+        super().__init__()
+        self.lower, self.upper = lower, upper
+
+    def forward(self, x: Tensor) -> Tensor:
+        if not self.training:
+            return F.leaky_relu(x, (self.lower + self.upper) / 2)
+        slope = torch.empty_like(x).uniform_(self.lower, self.upper)
+        return torch.where(x >= 0, x, x * slope)
+
+
 class Attention(nn.Module):
     router: Router
 
@@ -114,9 +134,9 @@ class MLP(nn.Module):
         hidden = config.ffn_mult * config.n_embd
         self.swiglu = config.activation == "swiglu"
         self.fc = nn.Linear(config.n_embd, (2 if self.swiglu else 1) * hidden, bias=config.bias)
-        self.act = {"gelu": nn.GELU(), "relu": nn.ReLU(), "rrelu": nn.RReLU(), "swiglu": nn.SiLU()}[
-            config.activation
-        ]
+        activations = {"gelu": nn.GELU, "relu": nn.ReLU, "rrelu": RandomSlopeReLU,
+                       "swiglu": nn.SiLU}
+        self.act = activations[config.activation]()
         self.mlp_dropout = nn.Dropout(config.mlp_dropout)
         self.proj = nn.Linear(hidden, config.n_embd, bias=config.bias)
         self.resid_dropout = nn.Dropout(config.resid_dropout)
