@@ -16,7 +16,6 @@ traceback: it becomes a failed verdict, never a crash of the harness.
 from __future__ import annotations
 
 import contextlib
-import copy
 import inspect
 import time
 import traceback
@@ -67,7 +66,7 @@ class StepStart:
     """Where a step begins: weights, optimizer state, RNG state (for ``start_from``)."""
 
     params: dict[str, Tensor]
-    optimizer: dict[str, Any]
+    optimizer: dict[str, dict[str, Any]]  # parameter name -> its optimizer state
     rng: dict[str, Tensor]
 
 
@@ -168,18 +167,25 @@ def _rng_states(device: torch.device) -> dict[str, Tensor]:
 def _snapshot(params: list[tuple[str, nn.Parameter]], optimizer: torch.optim.Optimizer,
               device: torch.device) -> StepStart:
     return StepStart(params={n: p.detach().clone() for n, p in params},
-                     optimizer=copy.deepcopy(optimizer.state_dict()), rng=_rng_states(device))
+                     optimizer={n: _copy_state(optimizer.state[p]) for n, p in params},
+                     rng=_rng_states(device))
 
 
 def _restore(start: StepStart, params: list[tuple[str, nn.Parameter]],
              optimizer: torch.optim.Optimizer, device: torch.device) -> None:
+    """Copies, never the snapshot's own tensors: two paths restore from one snapshot."""
     with torch.no_grad():
         for name, p in params:
             p.copy_(start.params[name])
-    optimizer.load_state_dict(copy.deepcopy(start.optimizer))
+            optimizer.state[p] = _copy_state(start.optimizer[name])
     torch.set_rng_state(start.rng["cpu"])
     if device.type == "cuda":
         torch.cuda.set_rng_state(start.rng[f"cuda:{device.index or 0}"], device)
+
+
+def _copy_state(state: dict[str, Any]) -> dict[str, Any]:
+    """One parameter's optimizer state (SGD: its momentum buffer), tensors cloned."""
+    return {k: v.clone() if isinstance(v, Tensor) else v for k, v in state.items()}
 
 
 def _forward(
