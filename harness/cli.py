@@ -95,13 +95,38 @@ def build_parser() -> argparse.ArgumentParser:
     mutants.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
     mutants.add_argument("--report-dir", type=Path, default=None, metavar="DIR",
                          help="write DIR/mutants.json and DIR/mutants.md")
+    prof = commands.add_parser(
+        "profile", help="activation memory and step time per granularity, and the frontier")
+    prof.add_argument("--impl", required=True, metavar="SPEC")
+    prof.add_argument("--adapter", choices=("function", "wrapper", "toggle"), default=None)
+    prof.add_argument("--impl-kwarg", action="append", default=[], metavar="KEY=VALUE")
+    prof.add_argument("--granularity", default=",".join(_DEFAULT_GRANULARITIES),
+                      metavar="LIST", help="comma-separated (default: %(default)s)")
+    prof.add_argument("--layers", type=_count, default=4)
+    prof.add_argument("--width", type=_count, default=128)
+    prof.add_argument("--heads", type=_count, default=4)
+    prof.add_argument("--seq-len", type=_count, default=64)
+    prof.add_argument("--batch", type=_count, default=4)
+    prof.add_argument("--dropout", type=_tolerance, default=0.1,
+                      help="probability at every dropout site (default 0.1)")
+    prof.add_argument("--dtype", choices=("fp32", "bf16-autocast", "fp16-autocast"),
+                      default="fp32")
+    prof.add_argument("--steps", type=_count, default=20, help="timed steps per granularity")
+    prof.add_argument("--warmup", type=_count, default=3)
+    prof.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
+    prof.add_argument("--report-dir", type=Path, default=None, metavar="DIR",
+                      help="write DIR/profile.json, profile.md and profile.png")
     return parser
+
+
+_DEFAULT_GRANULARITIES = ("none", "layer", "every:2", "group:2", "attention", "mlp")
 
 
 def main(argv: list[str] | None = None) -> int:
     try:
         args = build_parser().parse_args(argv)
-        return _mutants(args) if args.command == "mutants" else _check(args)
+        commands = {"check": _check, "mutants": _mutants, "profile": _profile}
+        return commands[args.command](args)
     except _UsageError as exc:
         print(f"gradequiv: error: {exc}", file=sys.stderr)
         return EXIT_USAGE
@@ -184,6 +209,52 @@ def _mutants(args: argparse.Namespace) -> int:
         mutation.write(args.report_dir, outcomes, summary, run_conditions(device, args.seed))
         print(f"report: {args.report_dir / 'mutants.json'}, {args.report_dir / 'mutants.md'}")
     return EXIT_PASS if summary["verdict"] == "pass" else EXIT_FAIL
+
+
+def _profile(args: argparse.Namespace) -> int:
+    import torch
+
+    from gradequiv.harness import profile as profiling
+    from gradequiv.harness.adapters import parse_impl_kwargs, resolve
+    from gradequiv.harness.case import Case
+    from gradequiv.harness.report import write_json_atomic
+    from gradequiv.models import BatchConfig, InvalidArgument, TransformerConfig
+    from gradequiv.models import parse_granularity as parse
+
+    try:
+        impl = resolve(args.impl, adapter=args.adapter, kwargs=parse_impl_kwargs(args.impl_kwarg))
+        device = _device(args.device, torch)
+        granularities = [parse(text) for text in args.granularity.split(",") if text.strip()]
+        if not granularities:
+            raise InvalidArgument(f"--granularity={args.granularity!r} names none; "
+                                  f"write e.g. none,layer,every:2")
+        rates = {site: args.dropout for site in
+                 ("embd_dropout", "attn_dropout", "resid_dropout", "mlp_dropout")}
+        model = TransformerConfig(n_layer=args.layers, n_embd=args.width, n_head=args.heads,
+                                  max_seq_len=args.seq_len, **rates)
+        case = Case(model=model, batch=BatchConfig(args.batch, args.seq_len, padding=False),
+                    dtype=args.dtype, name="profile")
+        if case.dtype == "fp16-autocast" and device.type != "cuda":
+            raise InvalidArgument("--dtype=fp16-autocast needs CUDA; use fp32 or bf16-autocast")
+    except InvalidArgument as exc:
+        raise _UsageError(str(exc)) from exc
+    print(f"gradequiv profile: {impl.spec} on {device}, {case.describe()}, "
+          f"{len(granularities)} granularities x {args.steps} steps", flush=True)
+    result = profiling.profile(impl, case, granularities, steps=args.steps,
+                               warmup=args.warmup, device=device)
+    table = profiling.markdown(result)
+    print(table)
+    if args.report_dir is not None:
+        missing = profiling.plot(result, args.report_dir / "profile.png")
+        data = result.to_dict() | {"plot": None if missing else "profile.png",
+                                   "plot_missing": missing}
+        write_json_atomic(args.report_dir / "profile.json", data)
+        (args.report_dir / "profile.md").write_text(
+            table + ("" if missing else "\n![memory against step time](profile.png)\n"),
+            encoding="utf-8")
+        print(f"report: {args.report_dir / 'profile.json'}" + (f" (no plot: {missing})"
+                                                              if missing else ""))
+    return EXIT_PASS
 
 
 def _device(choice: str, torch: Any) -> Any:

@@ -1,0 +1,223 @@
+"""``gradequiv profile``: activation memory and step time per granularity, and the frontier.
+
+Matching gradients say nothing about memory, and less memory says nothing
+about speed: this measures both on one model, for each granularity, side by
+side. Steps of every granularity are interleaved round by round, so machine
+noise falls on all of them alike; times are reported as p50/p95/p99 with
+the run conditions. Memory is the activation bytes alive between forward and
+backward (the implementation-agnostic count of ``memory.py``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import statistics
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from gradequiv.harness.adapters import Implementation
+from gradequiv.harness.case import Case
+from gradequiv.harness.memory import ActivationCounter
+from gradequiv.models import Granularity, InvalidArgument, Workload, build
+
+
+@dataclass
+class GranularityProfile:
+    granularity: str
+    held_bytes: int  # activation bytes alive between forward and backward
+    step_s: dict[str, float]  # p50, p95, p99 of forward + backward + optimizer step
+    forward_s: float  # p50
+    backward_s: float  # p50
+    tokens_per_s: float  # at the p50 step time
+    extra_backward_s: float = 0.0  # p50 backward minus that of "none": the recompute's share
+    overhead_vs_none: float = 0.0  # p50 step time / that of "none" - 1
+    memory_saved_vs_none: float = 0.0  # 1 - held bytes / those of "none"
+    on_frontier: bool = False
+
+
+@dataclass
+class ProfileResult:
+    impl: str
+    case: dict[str, Any]
+    conditions: dict[str, Any]
+    rows: list[GranularityProfile] = field(default_factory=list)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"schema_version": 1, "command": "profile", "implementation": self.impl,
+                "case": self.case, "conditions": self.conditions,
+                "rows": [asdict(r) for r in self.rows]}
+
+
+def percentiles(values: list[float]) -> dict[str, float]:
+    """p50, p95, p99 (inclusive method: no extrapolation past the slowest step)."""
+    if len(values) == 1:
+        return {"p50": values[0], "p95": values[0], "p99": values[0]}
+    cuts = statistics.quantiles(values, n=100, method="inclusive")
+    return {"p50": statistics.median(values), "p95": cuts[94], "p99": cuts[98]}
+
+
+def pareto_frontier(points: list[tuple[float, float]]) -> list[bool]:
+    """Which (memory, time) points no other point beats on both (and strictly on one)."""
+    def beaten(i: int) -> bool:
+        m, t = points[i]
+        return any(m2 <= m and t2 <= t and (m2 < m or t2 < t)
+                   for j, (m2, t2) in enumerate(points) if j != i)
+    return [not beaten(i) for i in range(len(points))]
+
+
+def _autocast(case: Case, device: torch.device) -> contextlib.AbstractContextManager[Any]:
+    if case.dtype == "fp32":
+        return contextlib.nullcontext()
+    dtype = torch.bfloat16 if case.dtype.startswith("bf16") else torch.float16
+    return torch.autocast(device.type, dtype=dtype)
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+class _Runner:
+    """One granularity's model, ready to step."""
+
+    def __init__(self, case: Case, granularity: Granularity, impl: Implementation,
+                 device: torch.device) -> None:
+        self.case, self.device = case, device
+        self.workload: Workload = build(case.model, case.batch, case.seed, device)
+        segments = self.workload.segments(granularity)
+        impl.install(self.workload.model, segments)
+        self.model = self.workload.model.train()
+        self.optimizer = torch.optim.SGD(self.model.parameters(), lr=1e-3)
+        self.forward_s: list[float] = []
+        self.backward_s: list[float] = []
+
+    def held_bytes(self) -> int:
+        never = [*self.model.parameters(), *self.model.buffers()]
+        never += [t for t in self.workload.inputs if t is not None]
+        with ActivationCounter(exclude=never) as counter, _autocast(self.case, self.device):
+            out = self.model(*self.workload.inputs)
+            loss = self.workload.loss_fn(out, self.workload.targets)
+        held = counter.held_bytes(ignore=[out, loss])
+        loss.backward()
+        self.optimizer.zero_grad(set_to_none=True)
+        return held
+
+    def step(self, record: bool) -> None:
+        self.optimizer.zero_grad(set_to_none=True)
+        _sync(self.device)
+        started = time.perf_counter()
+        with _autocast(self.case, self.device):
+            loss = self.workload.loss_fn(self.model(*self.workload.inputs), self.workload.targets)
+        _sync(self.device)
+        middle = time.perf_counter()
+        loss.backward()
+        self.optimizer.step()
+        _sync(self.device)
+        if record:
+            self.forward_s.append(middle - started)
+            self.backward_s.append(time.perf_counter() - middle)
+
+
+def profile(
+    impl: Implementation,
+    case: Case,
+    granularities: list[Granularity],
+    *,
+    steps: int = 20,
+    warmup: int = 3,
+    device: torch.device | str = "cpu",
+    progress: Any = None,
+) -> ProfileResult:
+    """Memory and step time of ``case``'s model under each granularity, through ``impl``."""
+    if steps < 1 or warmup < 0:
+        raise InvalidArgument(f"steps={steps}, warmup={warmup}: need steps >= 1, warmup >= 0")
+    device = torch.device(device)
+    runners = [_Runner(case, g, impl, device) for g in granularities]
+    held = [r.held_bytes() for r in runners]
+    for _ in range(warmup):
+        for runner in runners:
+            runner.step(record=False)
+    for round_ in range(steps):
+        for runner in runners:
+            runner.step(record=True)
+        if progress is not None:
+            progress(round_ + 1, steps)
+    tokens = case.batch.batch_size * case.batch.seq_len
+    shape = case.describe().replace(f", {case.granularity}, ", ", ")
+    shape = shape.replace("t, ", f"t x batch {case.batch.batch_size}, ", 1)
+    rows = []
+    for g, runner, h in zip(granularities, runners, held):
+        totals = [f + b for f, b in zip(runner.forward_s, runner.backward_s)]
+        step = percentiles(totals)
+        rows.append(GranularityProfile(
+            granularity=str(g), held_bytes=h, step_s=step,
+            forward_s=statistics.median(runner.forward_s),
+            backward_s=statistics.median(runner.backward_s),
+            tokens_per_s=tokens / step["p50"]))
+    baseline = next((r for r in rows if r.granularity == "none"), None)
+    if baseline is not None:
+        for row in rows:
+            row.extra_backward_s = row.backward_s - baseline.backward_s
+            row.overhead_vs_none = row.step_s["p50"] / baseline.step_s["p50"] - 1
+            row.memory_saved_vs_none = (1 - row.held_bytes / baseline.held_bytes
+                                        if baseline.held_bytes else 0.0)
+    for row, on in zip(rows, pareto_frontier([(r.held_bytes, r.step_s["p50"]) for r in rows])):
+        row.on_frontier = on
+    conditions = {"torch": torch.__version__, "device": str(device),
+                  "threads": torch.get_num_threads(), "dtype": case.dtype,
+                  "steps": steps, "warmup": warmup, "tokens_per_step": tokens,
+                  "shape": shape}
+    return ProfileResult(impl.spec, case.to_dict(), conditions, rows)
+
+
+def markdown(result: ProfileResult) -> str:
+    lines = [f"Profile of {result.impl}: {result.conditions['shape']}; torch "
+             f"{result.conditions['torch']}, {result.conditions['device']}, "
+             f"{result.conditions['threads']} threads, {result.conditions['steps']} steps "
+             f"after {result.conditions['warmup']} warm-up",
+             "",
+             "| granularity | activation bytes | saved vs none | step p50 ms | p95 ms | p99 ms "
+             "| overhead vs none | extra backward ms | tokens/s | frontier |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
+    for r in result.rows:
+        lines.append(
+            f"| {r.granularity} | {r.held_bytes:,} | {r.memory_saved_vs_none:.1%} | "
+            f"{r.step_s['p50'] * 1e3:.1f} | {r.step_s['p95'] * 1e3:.1f} | "
+            f"{r.step_s['p99'] * 1e3:.1f} | {r.overhead_vs_none:+.1%} | "
+            f"{r.extra_backward_s * 1e3:+.1f} | {r.tokens_per_s:,.0f} | "
+            f"{'yes' if r.on_frontier else ''} |")
+    return "\n".join(lines) + "\n"
+
+
+def plot(result: ProfileResult, path: Path) -> str | None:
+    """Memory against step time as a PNG; the reason when matplotlib is missing."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return "matplotlib is not installed (pip install 'gradequiv[plot]')"
+    fig, ax = plt.subplots(figsize=(6, 4), dpi=120)
+    xs = [r.step_s["p50"] * 1e3 for r in result.rows]
+    ys = [r.held_bytes / 2**20 for r in result.rows]
+    ax.scatter(xs, ys, color=["tab:red" if r.on_frontier else "tab:gray" for r in result.rows])
+    frontier = sorted((x, y) for x, y, r in zip(xs, ys, result.rows) if r.on_frontier)
+    if frontier:
+        ax.plot(*zip(*frontier), color="tab:red", linewidth=1, label="frontier")
+        ax.legend()
+    for x, y, r in zip(xs, ys, result.rows):
+        ax.annotate(r.granularity, (x, y), textcoords="offset points", xytext=(4, 4),
+                    fontsize=8)
+    ax.set_xlabel("step time p50 (ms)")
+    ax.set_ylabel("activation memory held (MiB)")
+    ax.set_title(result.conditions["shape"], fontsize=8)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path)
+    plt.close(fig)
+    return None
