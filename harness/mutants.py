@@ -93,13 +93,6 @@ MUTANTS: tuple[Mutant, ...] = (
 )
 
 
-def find_mutant(name: str) -> Mutant:
-    for mutant in MUTANTS:
-        if mutant.name == name:
-            return mutant
-    raise KeyError(name)
-
-
 def reference_checkpoint(function: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
     """The correct base: every fault switched off."""
     return checkpoint_with_faults(function, *args, faults=Faults(), **kwargs)

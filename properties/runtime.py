@@ -46,15 +46,6 @@ class RunOptions:
     def max_examples(self) -> int:
         return self.examples if self.examples is not None else PROFILE_EXAMPLES[self.profile]
 
-    def reproduce_args(self) -> list[str]:
-        """Command-line options that run this suite again with the same draws."""
-        args = ["--impl", self.impl or "SPEC"]
-        for item in self.impl_kwargs:
-            args += ["--impl-kwarg", item]
-        if self.adapter:
-            args += ["--adapter", self.adapter]
-        return args + ["--seed", str(self.seed), "--examples", str(self.max_examples)]
-
 
 OPTIONS = RunOptions()
 
