@@ -52,24 +52,26 @@ def main() -> int:
     print(f"Measured units: a layer's boundary input is {boundary:,} bytes; a layer holds "
           f"{per_layer:,.0f} bytes under full storage, **{units:.1f} boundary units** "
           f"(the seed assumes 10).\n")
-    print("| layers | full storage bytes | per-layer recompute bytes | measured fraction | "
-          "unit model, between forward and backward (1/u) | unit model at the backward "
-          "peak, (L+u)/uL | seed's (L+10)/10L | step p50 full ms | step p50 recompute ms | "
-          "measured overhead | seed's 3F->4F |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|")
+    print("| layers | full storage bytes | recompute: held between fwd and bwd | fraction | "
+          "unit model 1/u | recompute: peak in backward | fraction | unit model (L+u)/uL | "
+          "seed's (L+10)/10L | step p50 full ms | step p50 recompute ms | measured overhead "
+          "| seed's 3F->4F |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for n_layer, none, layer in rows:
-        measured = layer.held_bytes / none.held_bytes
         seed = (n_layer + 10) / (10 * n_layer)
-        peak = (n_layer + units) / (units * n_layer)
-        print(f"| {n_layer} | {none.held_bytes:,} | {layer.held_bytes:,} | {measured:.1%} | "
-              f"{1 / units:.1%} | {peak:.1%} | {seed:.1%} | {none.step_s['p50'] * 1e3:.1f} | "
-              f"{layer.step_s['p50'] * 1e3:.1f} | {layer.overhead_vs_none:+.1%} | +33% |")
-    print("\nu is the measured number of boundary units a layer holds. The measured "
-          "recompute bytes are what stays alive between forward and backward: the L "
-          "boundaries, plus the embedding output every layer mixes back in and the loss's "
-          "own tensors, hence a little above 1/u. The seed's 42/320 also counts one layer's "
-          "internals, alive only while that layer is recomputed in backward; that peak is "
-          "not measured yet, so compare it with the (L+u)/uL column. The overhead is a "
+        print(f"| {n_layer} | {none.held_bytes:,} | {layer.held_bytes:,} | "
+              f"{layer.held_bytes / none.held_bytes:.1%} | {1 / units:.1%} | "
+              f"{layer.peak_backward_bytes:,} | "
+              f"{layer.peak_backward_bytes / none.held_bytes:.1%} | "
+              f"{(n_layer + units) / (units * n_layer):.1%} | {seed:.1%} | "
+              f"{none.step_s['p50'] * 1e3:.1f} | {layer.step_s['p50'] * 1e3:.1f} | "
+              f"{layer.overhead_vs_none:+.1%} | +33% |")
+    print("\nu is the measured number of boundary units a layer holds. Held bytes are "
+          "what stays alive between forward and backward: the L boundaries, plus the "
+          "embedding output every layer mixes back in and the loss's own tensors, hence a "
+          "little above 1/u. The peak adds what a recompute creates while backward needs "
+          "it, the seed's 'one layer being recomputed' (its 42/320 is this column's "
+          "model); gradients are left out. The overhead is a "
           "whole-step ratio on a 2-core CPU with small matrices; it is far above the seed's "
           "one-extra-forward estimate, and where the extra time goes is not broken down "
           "yet.")

@@ -34,7 +34,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 if TYPE_CHECKING:
     from typing import Self
 
-__all__ = ["ActivationCounter", "tensor_storage_bytes"]
+__all__ = ["ActivationCounter", "BackwardPeak", "tensor_storage_bytes"]
 
 # Per op overload, which of its returns can be a new storage: True (all),
 # False (none: views, in-place and out= ops return an input's storage), or the
@@ -191,3 +191,78 @@ class ActivationCounter:
     def held_storages(self, *, ignore: Iterable[Tensor] = ()) -> int:
         """How many storages ``held_bytes`` counts, empty ones left out, for diagnostics."""
         return sum(1 for storage in self._alive(ignore) if storage.nbytes())
+
+
+class _RecomputeRecorder(_StorageRecorder):
+    """During backward: records what the recompute creates, and the peak after every op.
+
+    Backward's own gradient arithmetic runs with grad mode off; a recompute
+    re-runs forward code with grad mode on (both torch checkpoints do). So
+    outputs made with grad mode on are recomputed activations, and the rest,
+    gradients, are left out.
+    """
+
+    def __init__(self, peak: BackwardPeak) -> None:
+        super().__init__(peak._recomputed)
+        self.peak = peak
+
+    def __torch_dispatch__(
+        self,
+        func: Callable[..., Any],
+        types: Any,
+        args: tuple[Any, ...] = (),
+        kwargs: dict[str, Any] | None = None,
+    ) -> Any:
+        if torch.is_grad_enabled():
+            out = super().__torch_dispatch__(func, types, args, kwargs)
+        else:
+            out = func(*args, **(kwargs or {}))
+        self.peak._update()
+        return out
+
+
+class BackwardPeak:
+    """Context manager around backward: the most activation bytes alive at any one op.
+
+    Counts the storages the forward ``counter`` recorded that are still alive
+    (they shrink as backward frees them) plus those a recompute creates
+    (alive only while backward needs them), after every op of the backward.
+    Costs a pass over the recorded storages per op: for profiling, not for
+    the verdict path. The seed gradient ``loss.backward()`` makes is counted
+    too (pass ``gradient`` made outside the block to leave it out).
+    """
+
+    def __init__(self, counter: ActivationCounter, *, ignore: Iterable[Tensor] = ()) -> None:
+        self._forward = counter
+        self._ignore: set[int] = set()
+        _weak_keys(ignore, self._ignore)
+        self._recomputed: set[int] = set()
+        self._mode: _RecomputeRecorder | None = None
+        self.peak_bytes = 0
+        weakref.finalize(self, _release, self._recomputed, self._ignore)
+
+    def _update(self) -> None:
+        skip = self._forward._excluded | self._ignore
+        total = 0
+        for key in (*self._forward._seen, *self._recomputed):
+            if key not in skip:
+                storage = _new_with_weak_ptr(key)
+                if storage is not None:
+                    total += storage.nbytes()
+        self.peak_bytes = max(self.peak_bytes, total)
+
+    def __enter__(self) -> BackwardPeak:
+        self._update()
+        self._mode = _RecomputeRecorder(self)
+        self._mode.__enter__()
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        mode, self._mode = self._mode, None
+        if mode is not None:
+            mode.__exit__(exc_type, exc, tb)

@@ -5,7 +5,8 @@ about speed: this measures both on one model, for each granularity, side by
 side. Steps of every granularity are interleaved round by round, so machine
 noise falls on all of them alike; times are reported as p50/p95/p99 with
 the run conditions. Memory is the activation bytes alive between forward and
-backward (the implementation-agnostic count of ``memory.py``).
+backward (the implementation-agnostic count of ``memory.py``), and the peak
+during backward, when recomputed activations are alive for a moment.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ import torch
 
 from gradequiv.harness.adapters import Implementation
 from gradequiv.harness.case import Case
-from gradequiv.harness.memory import ActivationCounter
+from gradequiv.harness.memory import ActivationCounter, BackwardPeak
 from gradequiv.models import Granularity, InvalidArgument, Workload, build
 
 
@@ -29,6 +30,7 @@ from gradequiv.models import Granularity, InvalidArgument, Workload, build
 class GranularityProfile:
     granularity: str
     held_bytes: int  # activation bytes alive between forward and backward
+    peak_backward_bytes: int  # the most alive at once during backward, recomputed ones included
     step_s: dict[str, float]  # p50, p95, p99 of forward + backward + optimizer step
     forward_s: float  # p50
     backward_s: float  # p50
@@ -95,16 +97,19 @@ class _Runner:
         self.forward_s: list[float] = []
         self.backward_s: list[float] = []
 
-    def held_bytes(self) -> int:
+    def memory(self) -> tuple[int, int]:
+        """Bytes held between forward and backward, and the peak during backward."""
         never = [*self.model.parameters(), *self.model.buffers()]
         never += [t for t in self.workload.inputs if t is not None]
         with ActivationCounter(exclude=never) as counter, _autocast(self.case, self.device):
             out = self.model(*self.workload.inputs)
             loss = self.workload.loss_fn(out, self.workload.targets)
         held = counter.held_bytes(ignore=[out, loss])
-        loss.backward()
+        seed = torch.ones_like(loss)
+        with BackwardPeak(counter, ignore=[out, loss]) as peak:
+            loss.backward(seed)
         self.optimizer.zero_grad(set_to_none=True)
-        return held
+        return held, peak.peak_bytes
 
     def step(self, record: bool) -> None:
         self.optimizer.zero_grad(set_to_none=True)
@@ -137,7 +142,7 @@ def profile(
         raise InvalidArgument(f"steps={steps}, warmup={warmup}: need steps >= 1, warmup >= 0")
     device = torch.device(device)
     runners = [_Runner(case, g, impl, device) for g in granularities]
-    held = [r.held_bytes() for r in runners]
+    memory = [r.memory() for r in runners]
     for _ in range(warmup):
         for runner in runners:
             runner.step(record=False)
@@ -150,11 +155,11 @@ def profile(
     shape = case.describe().replace(f", {case.granularity}, ", ", ")
     shape = shape.replace("t, ", f"t x batch {case.batch.batch_size}, ", 1)
     rows = []
-    for g, runner, h in zip(granularities, runners, held):
+    for g, runner, (h, peak) in zip(granularities, runners, memory):
         totals = [f + b for f, b in zip(runner.forward_s, runner.backward_s)]
         step = percentiles(totals)
         rows.append(GranularityProfile(
-            granularity=str(g), held_bytes=h, step_s=step,
+            granularity=str(g), held_bytes=h, peak_backward_bytes=peak, step_s=step,
             forward_s=statistics.median(runner.forward_s),
             backward_s=statistics.median(runner.backward_s),
             tokens_per_s=tokens / step["p50"]))
@@ -180,12 +185,13 @@ def markdown(result: ProfileResult) -> str:
              f"{result.conditions['threads']} threads, {result.conditions['steps']} steps "
              f"after {result.conditions['warmup']} warm-up",
              "",
-             "| granularity | activation bytes | saved vs none | step p50 ms | p95 ms | p99 ms "
-             "| overhead vs none | extra backward ms | tokens/s | frontier |",
-             "|---|---|---|---|---|---|---|---|---|---|"]
+             "| granularity | activation bytes | peak in backward | saved vs none | step p50 ms "
+             "| p95 ms | p99 ms | overhead vs none | extra backward ms | tokens/s | frontier |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in result.rows:
         lines.append(
-            f"| {r.granularity} | {r.held_bytes:,} | {r.memory_saved_vs_none:.1%} | "
+            f"| {r.granularity} | {r.held_bytes:,} | {r.peak_backward_bytes:,} | "
+            f"{r.memory_saved_vs_none:.1%} | "
             f"{r.step_s['p50'] * 1e3:.1f} | {r.step_s['p95'] * 1e3:.1f} | "
             f"{r.step_s['p99'] * 1e3:.1f} | {r.overhead_vs_none:+.1%} | "
             f"{r.extra_backward_s * 1e3:+.1f} | {r.tokens_per_s:,.0f} | "

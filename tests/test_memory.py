@@ -361,3 +361,37 @@ def test_counters_see_only_their_own_block() -> None:
     del a
     assert (first.held_bytes(), second.held_bytes()) == (0, 8 * F32)
     assert b.numel() == 8
+
+
+def _residual_blocks(n: int) -> list[torch.nn.Module]:
+    torch.manual_seed(0)
+    return [torch.nn.Sequential(torch.nn.Linear(16, 64), torch.nn.ReLU(),
+                                torch.nn.Linear(64, 16)) for _ in range(n)]
+
+
+@pytest.mark.parametrize("variant", ["none", "reentrant", "non-reentrant"])
+def test_the_backward_peak_adds_one_recomputed_block_to_the_boundaries(variant: str) -> None:
+    """4 residual blocks 16->64->16, batch 8, fp32: a boundary is 8*16*4 = 512 bytes; a
+    block's recomputed internals are its two 8x64 activations, 2 * 2048 bytes."""
+    from gradequiv.harness.memory import BackwardPeak
+
+    blocks = _residual_blocks(4)
+    params = [p for b in blocks for p in b.parameters()]
+    x = torch.randn(8, 16, requires_grad=True)
+    with ActivationCounter(exclude=[*params, x]) as counter:
+        h = x
+        for block in blocks:
+            if variant == "none":
+                h = h + block(h)
+            else:
+                h = h + checkpoint(block, h, use_reentrant=variant == "reentrant")
+        loss = h.pow(2).sum()
+    seed = torch.ones_like(loss)
+    held = counter.held_bytes(ignore=[loss])
+    with BackwardPeak(counter, ignore=[loss]) as peak:
+        loss.backward(seed)
+    if variant == "none":
+        assert peak.peak_bytes == held  # nothing recomputed: backward only frees
+    else:
+        assert held == 4 * 512
+        assert peak.peak_bytes == held + 2 * 8 * 64 * 4
