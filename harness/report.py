@@ -142,6 +142,9 @@ def write_json_atomic(path: Path, data: dict[str, Any]) -> None:
     """Write ``data`` to ``path`` so that readers see the old file or the new one, whole."""
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
+    umask = os.umask(0)
+    os.umask(umask)
+    os.chmod(tmp, 0o666 & ~umask)  # mkstemp makes it 0600; a report is for others to read
     try:
         with os.fdopen(fd, "w", encoding="utf-8") as handle:
             json.dump(data, handle, indent=1, sort_keys=False, allow_nan=False)

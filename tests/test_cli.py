@@ -160,3 +160,9 @@ def test_a_case_file_replays_that_case(tmp_path: Path,
     cases = read_report(tmp_path / "r")["cases"]
     assert code == 0 and len(cases) == 1
     assert cases[0]["case"]["granularity"] == "mlp" and cases[0]["case"]["seed"] == 4
+
+
+def test_the_report_is_readable_by_others(tmp_path: Path,
+                                          capsys: pytest.CaptureFixture[str]) -> None:
+    check(capsys, "--impl", "torch", *ONE, "--report-dir", str(tmp_path))
+    assert (tmp_path / "report.json").stat().st_mode & 0o044 == 0o044
