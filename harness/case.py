@@ -6,9 +6,12 @@ into a report and replayed exactly (``gradequiv check --case '<json>'``).
 
 from __future__ import annotations
 
+import contextlib
 import json
 from dataclasses import asdict, dataclass, field, fields, replace
 from typing import Any
+
+import torch
 
 from gradequiv.models import (
     BatchConfig,
@@ -119,6 +122,13 @@ class Case:
         if not isinstance(data, dict):
             raise InvalidArgument(f"--case={text!r}: a JSON object is needed")
         return cls.from_dict(data)
+
+    def autocast(self, device: torch.device) -> contextlib.AbstractContextManager[Any]:
+        """The precision regime as a context for forward and loss (backward stays outside)."""
+        if self.dtype == "fp32":
+            return contextlib.nullcontext()
+        dtype = torch.bfloat16 if self.dtype.startswith("bf16") else torch.float16
+        return torch.autocast(device.type, dtype=dtype)
 
     def with_seed_offset(self, offset: int) -> Case:
         return replace(self, seed=self.seed + offset)

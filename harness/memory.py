@@ -134,7 +134,42 @@ def _tensors(items: Iterable[Any]) -> Iterable[Tensor]:
             yield from (t for t in item if isinstance(t, Tensor))
 
 
-class ActivationCounter:
+class _ModeScope:
+    """Enters a recording dispatch mode for a ``with`` block; subclasses say which."""
+
+    _mode: TorchDispatchMode | None = None
+
+    def _new_mode(self) -> TorchDispatchMode:
+        raise NotImplementedError
+
+    def __enter__(self) -> Self:
+        self._mode = self._new_mode()
+        self._mode.__enter__()
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        mode, self._mode = self._mode, None
+        if mode is not None:
+            mode.__exit__(exc_type, exc, tb)
+
+
+def _alive_bytes(keys: Iterable[int], skip: set[int]) -> int:
+    """Bytes of the storages behind ``keys`` that are still alive, ``skip`` left out."""
+    total = 0
+    for key in keys:
+        if key not in skip:
+            storage = _new_with_weak_ptr(key)
+            if storage is not None:
+                total += storage.nbytes()
+    return total
+
+
+class ActivationCounter(_ModeScope):
     """Context manager around a forward pass; afterwards, how many bytes it left alive.
 
     ``exclude``: tensors whose storages never count (parameters, buffers, the
@@ -149,23 +184,10 @@ class ActivationCounter:
         self._seen: set[int] = set()
         self._excluded: set[int] = set()
         _weak_keys(exclude, self._excluded)
-        self._mode: _StorageRecorder | None = None
         weakref.finalize(self, _release, self._seen, self._excluded)
 
-    def __enter__(self) -> Self:
-        self._mode = _StorageRecorder(self._seen)
-        self._mode.__enter__()
-        return self
-
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        mode, self._mode = self._mode, None
-        if mode is not None:
-            mode.__exit__(exc_type, exc, tb)
+    def _new_mode(self) -> TorchDispatchMode:
+        return _StorageRecorder(self._seen)
 
     def _alive(self, ignore: Iterable[Tensor]) -> Iterable[torch.UntypedStorage]:
         skip = set(self._excluded)
@@ -221,7 +243,7 @@ class _RecomputeRecorder(_StorageRecorder):
         return out
 
 
-class BackwardPeak:
+class BackwardPeak(_ModeScope):
     """Context manager around backward: the most activation bytes alive at any one op.
 
     Counts the storages the forward ``counter`` recorded that are still alive
@@ -236,33 +258,16 @@ class BackwardPeak:
         self._forward = counter
         self._ignore: set[int] = set()
         _weak_keys(ignore, self._ignore)
+        self._skip = counter._excluded | self._ignore  # fixed for the block: built once
         self._recomputed: set[int] = set()
-        self._mode: _RecomputeRecorder | None = None
         self.peak_bytes = 0
         weakref.finalize(self, _release, self._recomputed, self._ignore)
 
     def _update(self) -> None:
-        skip = self._forward._excluded | self._ignore
-        total = 0
-        for key in (*self._forward._seen, *self._recomputed):
-            if key not in skip:
-                storage = _new_with_weak_ptr(key)
-                if storage is not None:
-                    total += storage.nbytes()
+        total = _alive_bytes(self._forward._seen, self._skip)
+        total += _alive_bytes(self._recomputed, self._skip)
         self.peak_bytes = max(self.peak_bytes, total)
 
-    def __enter__(self) -> BackwardPeak:
-        self._update()
-        self._mode = _RecomputeRecorder(self)
-        self._mode.__enter__()
-        return self
-
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        mode, self._mode = self._mode, None
-        if mode is not None:
-            mode.__exit__(exc_type, exc, tb)
+    def _new_mode(self) -> TorchDispatchMode:
+        self._update()  # backward starts from what the forward left
+        return _RecomputeRecorder(self)

@@ -11,7 +11,6 @@ during backward, when recomputed activations are alive for a moment.
 
 from __future__ import annotations
 
-import contextlib
 import statistics
 import time
 from dataclasses import asdict, dataclass, field
@@ -71,13 +70,6 @@ def pareto_frontier(points: list[tuple[float, float]]) -> list[bool]:
     return [not beaten(i) for i in range(len(points))]
 
 
-def _autocast(case: Case, device: torch.device) -> contextlib.AbstractContextManager[Any]:
-    if case.dtype == "fp32":
-        return contextlib.nullcontext()
-    dtype = torch.bfloat16 if case.dtype.startswith("bf16") else torch.float16
-    return torch.autocast(device.type, dtype=dtype)
-
-
 def _sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
@@ -101,7 +93,7 @@ class _Runner:
         """Bytes held between forward and backward, and the peak during backward."""
         never = [*self.model.parameters(), *self.model.buffers()]
         never += [t for t in self.workload.inputs if t is not None]
-        with ActivationCounter(exclude=never) as counter, _autocast(self.case, self.device):
+        with ActivationCounter(exclude=never) as counter, self.case.autocast(self.device):
             out = self.model(*self.workload.inputs)
             loss = self.workload.loss_fn(out, self.workload.targets)
         held = counter.held_bytes(ignore=[out, loss])
@@ -115,7 +107,7 @@ class _Runner:
         self.optimizer.zero_grad(set_to_none=True)
         _sync(self.device)
         started = time.perf_counter()
-        with _autocast(self.case, self.device):
+        with self.case.autocast(self.device):
             loss = self.workload.loss_fn(self.model(*self.workload.inputs), self.workload.targets)
         _sync(self.device)
         middle = time.perf_counter()

@@ -193,10 +193,7 @@ def _forward(
     device: torch.device, measure: bool,
 ) -> tuple[Tensor, Tensor, int | None]:
     """One forward and loss, under the case's autocast, optionally counting held bytes."""
-    autocast: contextlib.AbstractContextManager[Any] = contextlib.nullcontext()
-    if case.dtype != "fp32":
-        dtype = torch.bfloat16 if case.dtype.startswith("bf16") else torch.float16
-        autocast = torch.autocast(device.type, dtype=dtype)
+    autocast = case.autocast(device)
     if not measure:
         with autocast:
             outputs = model(*inputs)

@@ -12,7 +12,6 @@ ratio; nothing here asserts a time.
 
 from __future__ import annotations
 
-import contextlib
 import statistics
 import time
 from dataclasses import replace
@@ -37,9 +36,7 @@ def bare_path(case: Case, impl: Any) -> None:
     else:
         impl.install(workload.model, segments)
     optimizer = torch.optim.SGD(workload.model.parameters(), lr=LEARNING_RATE, momentum=MOMENTUM)
-    autocast: Any = contextlib.nullcontext()
-    if case.dtype == "bf16-autocast":
-        autocast = torch.autocast("cpu", dtype=torch.bfloat16)
+    autocast = case.autocast(torch.device("cpu"))
     torch.manual_seed(case.seed + 1)
     for _ in range(case.steps):
         optimizer.zero_grad(set_to_none=True)
