@@ -100,7 +100,6 @@ def build_report(
     impl: Implementation,
     conditions: dict[str, Any],
     records: list[dict[str, Any]],
-    planned: int,
     complete: bool,
 ) -> dict[str, Any]:
     failed = [r for r in records if r["verdict"] == "fail"]
@@ -123,7 +122,7 @@ def build_report(
         "implementation": {"spec": impl.spec, "adapter": impl.adapter,
                            "kwargs": {k: repr(v) for k, v in impl.kwargs.items()}},
         "conditions": conditions,
-        "summary": {"planned": planned, "run": len(records), "passed": len(records) - len(failed),
+        "summary": {"run": len(records), "passed": len(records) - len(failed),
                     "failed": len(failed)},
         "cases": records,
         "failure": failure,

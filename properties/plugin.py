@@ -259,7 +259,7 @@ class _Gatherer:
         records = list(self.records.values())
         report = build_report(command="check", impl=impl,
                               conditions=run_conditions(device, options.seed),
-                              records=records, planned=len(records), complete=complete)
+                              records=records, complete=complete)
         report["conditions"].update(profile=options.profile,
                                     examples_per_property=options.max_examples)
         report["tests"] = dict(sorted(self.outcomes.items()))
