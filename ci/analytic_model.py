@@ -82,7 +82,8 @@ def main() -> None:
           "activation is 4 bytes, not 2; CPU dropout keeps a noise tensor of the input's "
           "dtype (4 bytes per element) where CUDA keeps a 1-byte mask; the model has one "
           "more dropout site (inside the MLP: its noise, 4h elements per token, kept beside "
-          "the dropped hidden that replaces GELU's output as the projection's input); and each LayerNorm keeps a mean and an rstd per token. "
+          "the dropped hidden that replaces GELU's output as the projection's input); "
+          "and each LayerNorm keeps a mean and an rstd per token. "
           "Without attention dropout, torch's fused CPU kernel keeps q, k, v, its output "
           "and a logsumexp, plus the causal mask as an additive float mask, and no "
           "s x s tensor at all.")

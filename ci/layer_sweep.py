@@ -19,6 +19,7 @@ import sys
 import torch
 
 from gradequiv.harness import Case, resolve
+from gradequiv.harness.analytic import layer_bytes
 from gradequiv.harness.profile import profile
 from gradequiv.models import BatchConfig, TransformerConfig, parse_granularity
 
@@ -27,15 +28,19 @@ WIDTH, HEADS, SEQ, BATCH = 64, 4, 64, 4
 STEPS, WARMUP = 10, 2
 
 
+def _model(n_layer: int) -> TransformerConfig:
+    return TransformerConfig(n_layer=n_layer, n_embd=WIDTH, n_head=HEADS, max_seq_len=SEQ,
+                             embd_dropout=0.1, attn_dropout=0.1, resid_dropout=0.1,
+                             mlp_dropout=0.1)
+
+
 def main() -> int:
     impl = resolve("torch")
     granularities = [parse_granularity("none"), parse_granularity("layer")]
     rows = []
+    batch = BatchConfig(BATCH, SEQ, padding=False)
     for n_layer in LAYERS:
-        model = TransformerConfig(n_layer=n_layer, n_embd=WIDTH, n_head=HEADS, max_seq_len=SEQ,
-                                  embd_dropout=0.1, attn_dropout=0.1, resid_dropout=0.1,
-                                  mlp_dropout=0.1)
-        case = Case(model=model, batch=BatchConfig(BATCH, SEQ, padding=False))
+        case = Case(model=_model(n_layer), batch=batch)
         none, layer = profile(impl, case, granularities, steps=STEPS, warmup=WARMUP).rows
         print(f"L={n_layer} done", file=sys.stderr, flush=True)
         rows.append((n_layer, none, layer))
@@ -49,32 +54,45 @@ def main() -> int:
           f"at every site, `torch.utils.checkpoint` (non-reentrant) on every layer; "
           f"{STEPS} timed steps after {WARMUP} warm-up, interleaved with the full-storage "
           f"steps.\n")
+    analytic = layer_bytes(_model(1), batch)
     print(f"Measured units: a layer's boundary input is {boundary:,} bytes; a layer holds "
-          f"{per_layer:,.0f} bytes under full storage, **{units:.1f} boundary units** "
+          f"{per_layer:,.0f} bytes under full storage (the op-derived model of "
+          f"docs/analytic-model.md: {analytic:,}), **{units:.1f} boundary units** "
           f"(the seed assumes 10).\n")
+    print("## Memory\n")
     print("| layers | full storage bytes | recompute: held between fwd and bwd | fraction | "
           "unit model 1/u | recompute: peak in backward | fraction | unit model (L+u)/uL | "
-          "seed's (L+10)/10L | step p50 full ms | step p50 recompute ms | measured overhead "
-          "| seed's 3F->4F |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+          "seed's (L+10)/10L |")
+    print("|---|---|---|---|---|---|---|---|---|")
     for n_layer, none, layer in rows:
         seed = (n_layer + 10) / (10 * n_layer)
         print(f"| {n_layer} | {none.held_bytes:,} | {layer.held_bytes:,} | "
               f"{layer.held_bytes / none.held_bytes:.1%} | {1 / units:.1%} | "
               f"{layer.peak_backward_bytes:,} | "
               f"{layer.peak_backward_bytes / none.held_bytes:.1%} | "
-              f"{(n_layer + units) / (units * n_layer):.1%} | {seed:.1%} | "
-              f"{none.step_s['p50'] * 1e3:.1f} | {layer.step_s['p50'] * 1e3:.1f} | "
-              f"{layer.overhead_vs_none:+.1%} | +33% |")
+              f"{(n_layer + units) / (units * n_layer):.1%} | {seed:.1%} |")
     print("\nu is the measured number of boundary units a layer holds. Held bytes are "
           "what stays alive between forward and backward: the L boundaries, plus the "
           "embedding output every layer mixes back in and the loss's own tensors, hence a "
           "little above 1/u. The peak adds what a recompute creates while backward needs "
           "it, the seed's 'one layer being recomputed' (its 42/320 is this column's "
-          "model); gradients are left out. The overhead is a "
-          "whole-step ratio on a 2-core CPU with small matrices; it is far above the seed's "
-          "one-extra-forward estimate, and where the extra time goes is not broken down "
-          "yet.")
+          "model); gradients are left out.\n")
+    print("## Time (p50 ms)\n")
+    print("| layers | full: forward | full: backward | recompute: forward | recompute: "
+          "backward | of which recompute | recompute / full forward | step overhead "
+          "measured | if recompute were the only cost | seed's 3F->4F |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
+    for n_layer, none, layer in rows:
+        full_step = none.forward_s + none.backward_s
+        print(f"| {n_layer} | {none.forward_s * 1e3:.1f} | {none.backward_s * 1e3:.1f} | "
+              f"{layer.forward_s * 1e3:.1f} | {layer.backward_s * 1e3:.1f} | "
+              f"{layer.recompute_s * 1e3:.1f} | {layer.recompute_s / none.forward_s:.2f} | "
+              f"{layer.overhead_vs_none:+.1%} | {layer.recompute_s / full_step:+.1%} | +33% |")
+    print("\nBackward includes the optimizer step. 'Of which recompute' is the time spent "
+          "inside the layers' forwards while backward runs (forward hooks on the "
+          "checkpointed layers, `gradequiv.harness.profile`); 'if recompute were the "
+          "only cost' adds just that to the full-storage step. The rest of the measured "
+          "overhead is the checkpoint's own bookkeeping in forward and backward.")
     return 0
 
 

@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from torch import nn
 
 from gradequiv.harness.adapters import Implementation
 from gradequiv.harness.case import Case
@@ -32,12 +33,17 @@ class GranularityProfile:
     peak_backward_bytes: int  # the most alive at once during backward, recomputed ones included
     step_s: dict[str, float]  # p50, p95, p99 of forward + backward + optimizer step
     forward_s: float  # p50
-    backward_s: float  # p50
+    backward_s: float  # p50, with the optimizer step
     tokens_per_s: float  # at the p50 step time
-    extra_backward_s: float = 0.0  # p50 backward minus that of "none": the recompute's share
+    recompute_s: float = 0.0  # p50 time inside segment forwards run during backward
+    extra_backward_s: float = 0.0  # p50 backward minus that of "none"
     overhead_vs_none: float = 0.0  # p50 step time / that of "none" - 1
     memory_saved_vs_none: float = 0.0  # 1 - held bytes / those of "none"
     on_frontier: bool = False
+    # CUDA only (None elsewhere): the caching allocator's own view of the same step.
+    cuda_allocated_held_bytes: int | None = None  # memory_allocated() after forward - before
+    cuda_requested_held_bytes: int | None = None  # the same for requested_bytes (no rounding)
+    cuda_max_allocated_bytes: int | None = None  # max_memory_allocated() over the step - before
 
 
 @dataclass
@@ -75,6 +81,86 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
+class _AllocatorWatch:
+    """The CUDA caching allocator's figures for one step, against the moment before it."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.on = device.type == "cuda"
+        self.held: dict[str, int | None] = {"cuda_allocated_held_bytes": None,
+                                            "cuda_requested_held_bytes": None}
+        if self.on:
+            torch.cuda.synchronize(device)
+            torch.cuda.reset_peak_memory_stats(device)
+            self.device = device
+            self.before = self._now()
+
+    def _now(self) -> tuple[int, int]:
+        stats = torch.cuda.memory_stats(self.device)
+        return stats.get("allocated_bytes.all.current", 0), stats.get(
+            "requested_bytes.all.current", 0)
+
+    def after_forward(self) -> None:
+        if self.on:
+            torch.cuda.synchronize(self.device)
+            allocated, requested = self._now()
+            self.held = {"cuda_allocated_held_bytes": allocated - self.before[0],
+                         "cuda_requested_held_bytes": requested - self.before[1]}
+
+    def after_backward(self) -> dict[str, int | None]:
+        peak = None
+        if self.on:
+            torch.cuda.synchronize(self.device)
+            peak = torch.cuda.max_memory_allocated(self.device) - self.before[0]
+        return {**self.held, "cuda_max_allocated_bytes": peak}
+
+
+class _RecomputeClock:
+    """Time spent in segment forwards while backward runs: the recompute's own share.
+
+    Forward hooks on each selected segment module see every call, whoever
+    makes it; during backward the only callers are recompute. The post hook
+    is registered with ``always_call`` because non-reentrant checkpoint stops
+    a recompute early by raising once it has what backward needs. On CUDA the
+    interval is measured with events, so no synchronisation is added inside
+    backward.
+    """
+
+    def __init__(self, modules: list[nn.Module], device: torch.device) -> None:
+        self.device, self.in_backward = device, False
+        self._cpu_s = 0.0
+        self._events: list[tuple[Any, Any]] = []
+        self._open: dict[int, Any] = {}
+        for module in modules:
+            module.register_forward_pre_hook(self._start)
+            module.register_forward_hook(self._stop, always_call=True)
+
+    def _now(self) -> Any:
+        if self.device.type == "cuda":
+            event = torch.cuda.Event(enable_timing=True)
+            event.record()
+            return event
+        return time.perf_counter()
+
+    def _start(self, module: nn.Module, args: Any) -> None:
+        if self.in_backward and id(module) not in self._open:
+            self._open[id(module)] = self._now()
+
+    def _stop(self, module: nn.Module, args: Any, output: Any) -> None:
+        started = self._open.pop(id(module), None)
+        if started is None:
+            return
+        if self.device.type == "cuda":
+            self._events.append((started, self._now()))
+        else:
+            self._cpu_s += time.perf_counter() - started
+
+    def take(self) -> float:
+        """Seconds of recompute since the last call (after the step has synchronised)."""
+        seconds = self._cpu_s + sum(a.elapsed_time(b) for a, b in self._events) / 1e3
+        self._cpu_s, self._events = 0.0, []
+        return seconds
+
+
 class _Runner:
     """One granularity's model, ready to step."""
 
@@ -86,22 +172,30 @@ class _Runner:
         impl.install(self.workload.model, segments)
         self.model = self.workload.model.train()
         self.optimizer = torch.optim.SGD(self.model.parameters(), lr=1e-3)
+        self.clock = _RecomputeClock([s.module for s in segments], device)
         self.forward_s: list[float] = []
         self.backward_s: list[float] = []
+        self.recompute_s: list[float] = []
 
-    def memory(self) -> tuple[int, int]:
-        """Bytes held between forward and backward, and the peak during backward."""
+    def memory(self) -> dict[str, int | None]:
+        """Bytes held between forward and backward, the peak during backward, and on CUDA
+        the allocator's figures for the same step (they include the output and loss)."""
         never = [*self.model.parameters(), *self.model.buffers()]
         never += [t for t in self.workload.inputs if t is not None]
+        allocator = _AllocatorWatch(self.device)
         with ActivationCounter(exclude=never) as counter, self.case.autocast(self.device):
             out = self.model(*self.workload.inputs)
             loss = self.workload.loss_fn(out, self.workload.targets)
+        allocator.after_forward()
         held = counter.held_bytes(ignore=[out, loss])
         seed = torch.ones_like(loss)
         with BackwardPeak(counter, ignore=[out, loss]) as peak:
             loss.backward(seed)
+        figures: dict[str, int | None] = {"held_bytes": held,
+                                          "peak_backward_bytes": peak.peak_bytes}
+        figures.update(allocator.after_backward())
         self.optimizer.zero_grad(set_to_none=True)
-        return held, peak.peak_bytes
+        return figures
 
     def step(self, record: bool) -> None:
         self.optimizer.zero_grad(set_to_none=True)
@@ -111,12 +205,19 @@ class _Runner:
             loss = self.workload.loss_fn(self.model(*self.workload.inputs), self.workload.targets)
         _sync(self.device)
         middle = time.perf_counter()
-        loss.backward()
+        self.clock.in_backward = True
+        try:
+            loss.backward()
+        finally:
+            self.clock.in_backward = False
         self.optimizer.step()
         _sync(self.device)
+        ended = time.perf_counter()
+        recompute = self.clock.take()
         if record:
             self.forward_s.append(middle - started)
-            self.backward_s.append(time.perf_counter() - middle)
+            self.backward_s.append(ended - middle)
+            self.recompute_s.append(recompute)
 
 
 def profile(
@@ -147,13 +248,14 @@ def profile(
     shape = case.describe().replace(f", {case.granularity}, ", ", ")
     shape = shape.replace("t, ", f"t x batch {case.batch.batch_size}, ", 1)
     rows = []
-    for g, runner, (h, peak) in zip(granularities, runners, memory):
+    for g, runner, figures in zip(granularities, runners, memory):
         totals = [f + b for f, b in zip(runner.forward_s, runner.backward_s)]
         step = percentiles(totals)
         rows.append(GranularityProfile(
-            granularity=str(g), held_bytes=h, peak_backward_bytes=peak, step_s=step,
+            granularity=str(g), step_s=step, **figures,  # type: ignore[arg-type]
             forward_s=statistics.median(runner.forward_s),
             backward_s=statistics.median(runner.backward_s),
+            recompute_s=statistics.median(runner.recompute_s),
             tokens_per_s=tokens / step["p50"]))
     baseline = next((r for r in rows if r.granularity == "none"), None)
     if baseline is not None:
@@ -178,16 +280,26 @@ def markdown(result: ProfileResult) -> str:
              f"after {result.conditions['warmup']} warm-up",
              "",
              "| granularity | activation bytes | peak in backward | saved vs none | step p50 ms "
-             "| p95 ms | p99 ms | overhead vs none | extra backward ms | tokens/s | frontier |",
-             "|---|---|---|---|---|---|---|---|---|---|---|"]
+             "| p95 ms | p99 ms | overhead vs none | forward ms | backward ms | of which "
+             "recompute ms | tokens/s | frontier |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in result.rows:
         lines.append(
             f"| {r.granularity} | {r.held_bytes:,} | {r.peak_backward_bytes:,} | "
             f"{r.memory_saved_vs_none:.1%} | "
             f"{r.step_s['p50'] * 1e3:.1f} | {r.step_s['p95'] * 1e3:.1f} | "
             f"{r.step_s['p99'] * 1e3:.1f} | {r.overhead_vs_none:+.1%} | "
-            f"{r.extra_backward_s * 1e3:+.1f} | {r.tokens_per_s:,.0f} | "
+            f"{r.forward_s * 1e3:.1f} | {r.backward_s * 1e3:.1f} | {r.recompute_s * 1e3:.1f} | "
+            f"{r.tokens_per_s:,.0f} | "
             f"{'yes' if r.on_frontier else ''} |")
+    if any(r.cuda_max_allocated_bytes is not None for r in result.rows):
+        lines += ["", "CUDA caching allocator, same step (output and loss included, so a "
+                  "little above the count):", "",
+                  "| granularity | allocated after forward | requested after forward "
+                  "| max allocated over the step |", "|---|---|---|---|"]
+        lines += [f"| {r.granularity} | {r.cuda_allocated_held_bytes:,} | "
+                  f"{r.cuda_requested_held_bytes:,} | {r.cuda_max_allocated_bytes:,} |"
+                  for r in result.rows]
     return "\n".join(lines) + "\n"
 
 

@@ -40,6 +40,21 @@ def test_recompute_holds_less_than_none_and_reports_relative_figures() -> None:
     assert none.peak_backward_bytes == none.held_bytes  # nothing recomputed: backward frees
     assert layer.held_bytes < layer.peak_backward_bytes < none.held_bytes
     assert all(r.step_s["p50"] <= r.step_s["p95"] <= r.step_s["p99"] for r in result.rows)
+    assert none.cuda_max_allocated_bytes is None  # allocator figures are CUDA's alone
+
+
+def test_recompute_time_is_measured_inside_backward_only() -> None:
+    """The clock sees segment forwards during backward: none for full storage and for a
+    no-op, some for a real recompute, and never more than the backward around it."""
+    def no_op(fn, *args, **kwargs):  # type: ignore[no-untyped-def]
+        return fn(*args, **kwargs)
+
+    none, layer = profile(resolve("torch"), CASE, GRANULARITIES[:2], steps=3, warmup=1).rows
+    assert none.recompute_s == 0.0
+    assert 0.0 < layer.recompute_s < layer.backward_s
+    _, fake = profile(Implementation("no-op", no_op), CASE, GRANULARITIES[:2], steps=1,
+                      warmup=0).rows
+    assert fake.recompute_s == 0.0
 
 
 def test_a_no_op_implementation_saves_nothing() -> None:
