@@ -50,6 +50,29 @@ class PairMetrics:
     cosine: float
     mismatched: int  # elements that are not bitwise equal
     numel: int
+    max_ulps: int | None = 0  # greatest distance in units in the last place; None: not floats
+
+
+#: Signed integer views of each float dtype's bits, for counting ULPs.
+_BITS = {torch.float64: torch.int64, torch.float32: torch.int32, torch.float16: torch.int16,
+         torch.bfloat16: torch.int16}
+
+
+def ulp_distance(a: Tensor, b: Tensor) -> Tensor:
+    """The greatest number of representable values between ``a`` and ``b``, elementwise.
+
+    The bits are mapped to integers that grow with the value (negative floats
+    are stored as sign and magnitude, so their magnitude is negated), where
+    +0.0 and -0.0 are the same integer. Returns a 0-dim int64 tensor.
+    """
+    ints = _BITS[b.dtype]
+    magnitude = torch.iinfo(ints).max
+
+    def ordered(t: Tensor) -> Tensor:
+        bits = t.detach().reshape(-1).view(ints).to(torch.int64)
+        return torch.where(bits < 0, -(bits & magnitude), bits)
+
+    return (ordered(a.to(b.device)) - ordered(b)).abs().max()
 
 
 def measure_pairs(pairs: Sequence[tuple[Tensor, Tensor]]) -> list[PairMetrics]:
@@ -88,9 +111,11 @@ def _reduce(pairs: list[tuple[Tensor, Tensor]]) -> list[PairMetrics]:
         torch._foreach_norm(diff), torch._foreach_norm(flat_a), torch._foreach_norm(flat_b),
         torch._foreach_norm(diff, math.inf), torch._foreach_norm(diff, 0),
     ]
+    sums.append([ulp_distance(a, b) if a.dtype == b.dtype and b.dtype in _BITS
+                 else torch.tensor(-1, device=b.device) for a, b in pairs])
     rows = torch.stack([torch.stack([t.double() for t in s]) for s in sums], 1).tolist()
     out = []
-    for (a, b), (diff_norm, a_norm, b_norm, max_abs, mismatched) in zip(pairs, rows):
+    for (a, b), (diff_norm, a_norm, b_norm, max_abs, mismatched, ulps) in zip(pairs, rows):
         if not all(map(math.isfinite, (diff_norm, a_norm, b_norm))):
             out.append(_non_finite_pair(a, b))
         elif mismatched == 0:
@@ -101,7 +126,7 @@ def _reduce(pairs: list[tuple[Tensor, Tensor]]) -> list[PairMetrics]:
             cosine = ((a_norm**2 + b_norm**2 - diff_norm**2) / (2 * a_norm * b_norm)
                       if a_norm > 0 and b_norm > 0 else 0.0)
             out.append(PairMetrics(diff_norm / scale, max_abs, max(-1.0, min(1.0, cosine)),
-                                   int(mismatched), b.numel()))
+                                   int(mismatched), b.numel(), int(ulps) if ulps >= 0 else None))
     return out
 
 
@@ -112,7 +137,7 @@ def _non_finite_pair(a: Tensor, b: Tensor) -> PairMetrics:
     mismatched = int((~same).sum())
     if mismatched == 0:
         return PairMetrics(0.0, 0.0, 1.0, 0, b.numel())
-    return PairMetrics(math.inf, math.inf, math.nan, mismatched, b.numel())
+    return PairMetrics(math.inf, math.inf, math.nan, mismatched, b.numel(), None)
 
 
 @dataclass(frozen=True)

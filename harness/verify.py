@@ -52,6 +52,7 @@ class TensorCheck:
     cosine: float
     mismatched: int
     numel: int
+    max_ulps: int | None = 0  # greatest distance in units in the last place (None: not floats)
 
     def describe(self) -> str:
         share = 100.0 * self.mismatched / max(self.numel, 1)
@@ -188,7 +189,8 @@ def _check_all(
     for (prop, name, _, b, _), m, f in zip(comparable, metrics[:n], metrics[n:]):
         bound = tolerance.bound(f.rel_error, b.dtype)
         check = TensorCheck(prop, name, tolerance.passes(m, bound), m.rel_error, bound,
-                            f.rel_error, m.max_abs, m.cosine, m.mismatched, m.numel)
+                            f.rel_error, m.max_abs, m.cosine, m.mismatched, m.numel,
+                            m.max_ulps)
         results[prop].checks.append(check)
 
     if not full.steps[0].buffers:

@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from gradequiv.harness.compare import DTYPE_CAPS, Tolerance, measure_pairs
+from gradequiv.harness.compare import DTYPE_CAPS, Tolerance, measure_pairs, ulp_distance
 from gradequiv.models import InvalidArgument
 
 
@@ -15,6 +15,25 @@ def test_identical_tensors_are_exactly_equal() -> None:
     a = torch.randn(5, 7)
     (m,) = measure_pairs([(a.clone(), a)])
     assert (m.rel_error, m.max_abs, m.cosine, m.mismatched, m.numel) == (0.0, 0.0, 1.0, 0, 35)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16, torch.float16])
+def test_ulps_count_the_representable_values_between(dtype: torch.dtype) -> None:
+    one = torch.tensor([1.0], dtype=dtype)
+    steps = [one]
+    for _ in range(3):
+        steps.append(torch.nextafter(steps[-1], torch.tensor([2.0], dtype=dtype)))
+    assert int(ulp_distance(steps[3], one)) == 3
+    tiny = torch.nextafter(torch.zeros(1, dtype=dtype), one)  # the smallest subnormal
+    assert int(ulp_distance(-tiny, tiny)) == 2  # -tiny, then 0 (either sign), then tiny
+    assert int(ulp_distance(torch.tensor([-0.0], dtype=dtype), torch.zeros(1, dtype=dtype))) == 0
+    (m,) = measure_pairs([(steps[2], one)])
+    assert m.max_ulps == 2
+
+
+def test_ulps_are_none_for_integers() -> None:
+    (m,) = measure_pairs([(torch.tensor([1, 2]), torch.tensor([1, 3]))])
+    assert m.max_ulps is None and m.mismatched == 1
 
 
 def test_metrics_match_a_hand_computation() -> None:
