@@ -23,6 +23,7 @@ from typing import Any
 
 from torch import nn
 
+from gradequiv.harness import peers
 from gradequiv.models import InvalidArgument, Segment
 
 ADAPTERS = ("function", "wrapper", "toggle")
@@ -56,6 +57,12 @@ def torch_reentrant_checkpoint(function: Callable[..., Any], *args: Any, **kwarg
 BUILTINS: dict[str, tuple[Callable[..., Any], str]] = {
     "torch": (torch_checkpoint, "function"),
     "torch-reentrant": (torch_reentrant_checkpoint, "function"),
+    "torch-sac": (peers.torch_sac, "function"),
+    "torch-wrapper": (peers.torch_wrapper, "wrapper"),
+    "fairscale": (peers.fairscale_wrapper, "wrapper"),
+    "deepspeed": (peers.deepspeed_checkpoint, "function"),
+    "deepspeed-nonreentrant": (peers.deepspeed_nonreentrant, "function"),
+    "megatron": (peers.megatron_checkpoint, "function"),
 }
 
 

@@ -1,0 +1,118 @@
+"""The built-in adapters of real implementations: each gives its library's real verdict.
+
+A test whose library is missing skips; the verdicts asserted here are the
+ones docs/implementations.md reports (failures included: an adapter that
+"fixed" a library's fault would hide it).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+
+import pytest
+import torch
+
+from gradequiv.harness import Verdict, find_case, peers, resolve, verify
+from gradequiv.models import InvalidArgument
+
+
+def needs(module: str) -> None:
+    """Skip unless ``module`` is installed (found without importing it: imports warn)."""
+    top = module.split(".")[0]  # find_spec of a dotted name raises when its parent is missing
+    if importlib.util.find_spec(top) is None or importlib.util.find_spec(module) is None:
+        pytest.skip(f"{module} is not installed (pip install 'gradequiv[peers]')")
+
+
+def failing(verdict: Verdict) -> set[str]:
+    return {p.name for p in verdict.properties if p.passed is False}
+
+
+def bitwise_pass(verdict: Verdict) -> bool:
+    checks = [c for p in verdict.properties for c in p.checks]
+    return verdict.passed and bool(checks) and all(c.mismatched == 0 for c in checks)
+
+
+@pytest.mark.parametrize(("spec", "adapter"), [
+    ("torch-sac", "function"), ("torch-wrapper", "wrapper"), ("fairscale", "wrapper"),
+    ("deepspeed", "function"), ("deepspeed-nonreentrant", "function"), ("megatron", "function"),
+])
+def test_each_library_is_a_builtin_with_its_adapter(spec: str, adapter: str) -> None:
+    assert resolve(spec).adapter == adapter
+
+
+def test_torch_sac_is_bitwise_equal_and_its_policy_changes_what_is_held() -> None:
+    case = find_case("2L-layer-bf16-dropout")
+    matmuls = verify("torch-sac", case)
+    assert bitwise_pass(matmuls), matmuls.first_failure
+    plain = verify(resolve("torch-sac", kwargs={"policy": "none"}), case)
+    assert bitwise_pass(plain), plain.first_failure
+    # Saving the matmul outputs holds more than recomputing everything, less than none.
+    held, held_plain = matmuls.held_bytes["recompute"], plain.held_bytes["recompute"]
+    assert held is not None and held_plain is not None
+    assert held_plain < held < matmuls.held_bytes["full"]  # type: ignore[operator]
+
+
+def test_torch_sac_refuses_an_unknown_policy() -> None:
+    with pytest.raises(InvalidArgument, match=r"policy='matmul' is not one of matmuls, none, "):
+        peers.require("torch-sac", {"policy": "matmul"})
+    with pytest.raises(InvalidArgument, match="--impl-kwarg policy=matmuls"):
+        peers.torch_sac(torch.sin, torch.ones(2), policy="bogus")
+
+
+def test_torch_wrapper_passes_and_its_reentrant_option_reaches_torch() -> None:
+    case = find_case("2L-layer-frozen-embeddings")
+    assert bitwise_pass(verify("torch-wrapper", case))
+    # Reentrant checkpoint gives the first layer no gradient when no input requires grad.
+    reentrant = verify(resolve("torch-wrapper", kwargs={"reentrant": True}), case)
+    assert "gradients" in failing(reentrant)
+
+
+def test_fairscale_loses_cpu_autocast_but_keeps_batchnorm_statistics() -> None:
+    needs("fairscale")
+    assert bitwise_pass(verify("fairscale", find_case("2L-layer-manual-attn")))
+    assert failing(verify("fairscale", find_case("2L-layer-bf16-nodropout"))) == {
+        "gradients", "trajectory"}
+    # torch's checkpoint updates running statistics twice; fairscale's patch_batchnorm does not.
+    assert bitwise_pass(verify("fairscale", find_case("batchnorm-layer")))
+
+
+def test_deepspeed_reentrant_loses_autocast_and_frozen_input_gradients() -> None:
+    needs("deepspeed")
+    assert bitwise_pass(verify("deepspeed", find_case("2L-layer-manual-attn")))
+    assert failing(verify("deepspeed", find_case("2L-layer-bf16-dropout"))) == {
+        "gradients", "trajectory"}
+    assert "gradients" in failing(verify("deepspeed", find_case("2L-layer-frozen-embeddings")))
+
+
+def test_deepspeed_nonreentrant_raises_under_autocast() -> None:
+    needs("deepspeed")
+    assert bitwise_pass(verify("deepspeed-nonreentrant", find_case("2L-layer-frozen-embeddings")))
+    verdict = verify("deepspeed-nonreentrant", find_case("2L-layer-bf16-nodropout"))
+    assert verdict.error is not None and "same dtype" in verdict.error
+    assert verdict.error_at == "step 1 backward"
+
+
+def test_megatron_needs_cuda_and_says_why() -> None:
+    needs("megatron.core")
+    if torch.cuda.is_available():
+        assert bitwise_pass(verify("megatron", find_case("2L-layer-manual-attn"),
+                                   device="cuda"))
+        return
+    with pytest.raises(InvalidArgument, match="needs CUDA: .*_get_cuda_rng_state"):
+        peers.require("megatron")
+
+
+@pytest.mark.parametrize("spec", ["fairscale", "deepspeed", "deepspeed-nonreentrant",
+                                  "megatron"])
+def test_a_missing_library_names_its_extra(spec: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    def missing(name: str) -> None:
+        raise ModuleNotFoundError(f"No module named {name.split('.')[0]!r}")
+
+    monkeypatch.setattr(peers.importlib, "import_module", missing)
+    extra = peers.EXTRAS[spec][0]
+    with pytest.raises(InvalidArgument, match=rf"--impl='{spec}' needs .*"
+                                              rf"pip install 'gradequiv\[{extra}\]'"):
+        peers.require(spec)
+    target = resolve(spec).target
+    with pytest.raises(InvalidArgument, match=rf"gradequiv\[{extra}\]"):
+        target(torch.nn.Identity()) if spec == "fairscale" else target(torch.sin, torch.ones(1))
