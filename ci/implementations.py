@@ -1,0 +1,298 @@
+"""The evidence table: every built-in implementation over a few regimes, written as Markdown.
+
+For each implementation and regime (fp32 and CPU bf16 autocast, dropout on
+and off, implementation options, inputs without grad, BatchNorm buffers)
+one named case of ``gradequiv.harness.spread`` is verified; each row gives
+the verdict, the worst relative error, the failing properties, the command
+that replays it and, for a failure, where in the library it comes from.
+
+    python ci/implementations.py            # writes docs/implementations.md
+    python ci/implementations.py --check    # exit 1 if the doc's verdicts are stale
+
+``--check`` compares verdicts and failing properties only (not errors,
+which may move with threads or CPU), and only for implementations whose
+library is installed here, unless the doc says one is not installed and it
+now is: then the doc is stale too.
+"""
+
+from __future__ import annotations
+
+import argparse
+import platform
+import re
+import shlex
+import sys
+from dataclasses import dataclass
+from importlib import metadata
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from gradequiv.harness import find_case, resolve, verify
+from gradequiv.harness.peers import EXTRAS, require
+from gradequiv.models import InvalidArgument
+
+DOC = Path(__file__).resolve().parent.parent / "docs" / "implementations.md"
+
+_DROPOUT = "2L-layer-manual-attn"
+#: (label, case name, implementation kwargs) run for every implementation
+COMMON = [
+    ("fp32, no dropout", "2L-layer-nodropout", {}),
+    ("fp32, dropout at every site", _DROPOUT, {}),
+    ("fp32, SDPA dropout, attention only", "2L-attention-sdpa-dropout", {}),
+    ("bf16 autocast, no dropout", "2L-layer-bf16-nodropout", {}),
+    ("bf16 autocast, dropout", "2L-layer-bf16-dropout", {}),
+    ("inputs without grad (frozen embeddings)", "2L-layer-frozen-embeddings", {}),
+    ("BatchNorm running statistics", "batchnorm-layer", {}),
+]
+_NO_RNG = ("preserve_rng_state=false, dropout", _DROPOUT, {"preserve_rng_state": False})
+#: rows for one implementation's own options
+OPTIONS: dict[str, list[tuple[str, str, dict[str, Any]]]] = {
+    "torch": [_NO_RNG],
+    "torch-reentrant": [_NO_RNG],
+    "torch-sac": [_NO_RNG,
+                  ("policy=none, dropout", _DROPOUT, {"policy": "none"}),
+                  ("policy=all, no dropout", "2L-layer-nodropout", {"policy": "all"}),
+                  ("policy=all, dropout", _DROPOUT, {"policy": "all"})],
+    "torch-wrapper": [_NO_RNG,
+                      ("reentrant=true, dropout", _DROPOUT, {"reentrant": True}),
+                      ("reentrant=true, frozen embeddings", "2L-layer-frozen-embeddings",
+                       {"reentrant": True})],
+    "fairscale": [("offload_to_cpu=true, dropout", _DROPOUT, {"offload_to_cpu": True})],
+}
+IMPLEMENTATIONS = ["torch", "torch-reentrant", "torch-sac", "torch-wrapper", "fairscale",
+                   "deepspeed", "deepspeed-nonreentrant", "megatron"]
+LIBRARIES = {"torch-sac": "torch", "torch-wrapper": "torch", "torch": "torch",
+             "torch-reentrant": "torch"} | {spec: dist for spec, (_, dist) in EXTRAS.items()}
+
+_FAIRSCALE_AUTOCAST = (
+    "fairscale/nn/checkpoint/checkpoint_activations.py: `CheckpointFunction.forward` records "
+    "`is_autocast_enabled()`, which calls `torch.is_autocast_enabled()` with no device, i.e. "
+    "CUDA autocast only; under CPU autocast it records False, and `backward` re-runs the "
+    "segment under its `autocast()` helper (`torch.cuda.amp.autocast`) only if True: the "
+    "recompute runs in fp32 and its saved activations differ from the bf16 forward's.")
+_DEEPSPEED_AUTOCAST = (
+    "deepspeed/runtime/activation_checkpointing/checkpointing.py: `CheckpointFunction.backward` "
+    "re-runs the segment under `torch.enable_grad()` alone; the forward's autocast state is "
+    "never recorded, so the recompute runs in fp32 (torch's checkpoint re-enters the recorded "
+    "autocast state).")
+_DEEPSPEED_NR_AUTOCAST = (
+    "deepspeed/runtime/activation_checkpointing/checkpointing.py: `non_reentrant_checkpoint`'s "
+    "`checkpoint_unpack` replays the segment under `torch.enable_grad()` and its "
+    "`saved_tensors_hooks(replay_pack, ...)` without the forward's autocast state, so fp32 "
+    "activations stand in for the bf16 ones autograd saved and the first matmul backward "
+    "raises on the dtype mismatch (a loud failure, not a silent one).")
+_REENTRANT_NO_GRAD = (
+    "{where}: reentrant checkpoint is an `autograd.Function`; when no tensor argument requires "
+    "grad, its output has no `grad_fn`, backward never reaches it, and the segment's own "
+    "parameters get no gradient{warns}.")
+_TORCH_WARNS = " (torch warns 'None of the inputs have requires_grad=True')"
+_TORCH_BATCHNORM = (
+    "torch/utils/checkpoint.py: the recompute re-runs the segment in training mode, so "
+    "BatchNorm updates `running_mean`, `running_var` and `num_batches_tracked` a second time. "
+    "fairscale's `checkpoint_wrapper` avoids it: it calls `patch_batchnorm` "
+    "(fairscale/nn/checkpoint/checkpoint_utils.py), whose hooks turn `track_running_stats` off "
+    "during the no-grad first forward, so only the recompute updates them.")
+_NO_RNG_WHY = (
+    "torch/utils/checkpoint.py: with `preserve_rng_state=False` the recompute draws fresh "
+    "dropout masks from wherever the RNG stream is in backward (as documented), and the "
+    "caller's stream is left moved by the recompute's draws.")
+#: implementation -> what is known although it could not run here
+NOT_RUN_WHY = {
+    "megatron": (
+        "A CPU run would need those two CUDA RNG calls (`_get_cuda_rng_state` and "
+        "`_set_cuda_rng_state` in megatron/core/tensor_parallel/random.py) skipped when CUDA "
+        "is absent; nothing else in its `CheckpointFunction` needs a GPU. Measured once with a "
+        "throwaway script that stubbed exactly those two (not a gradequiv verdict, no command "
+        "replays it): fp32 with and without dropout bitwise equal; bf16 autocast fails "
+        "gradients and trajectory with the same errors as DeepSpeed's reentrant checkpoint "
+        "(`CheckpointFunction.backward` re-runs the segment under `torch.enable_grad()` "
+        "without the forward's autocast state); frozen embeddings give the first layer no "
+        "gradients (reentrant `autograd.Function`); BatchNorm statistics are updated twice. "
+        "Its `checkpoint(function, distribute_saved_activations, *args)` takes no keyword "
+        "arguments; the adapter binds them with functools.partial. Not yet run on CUDA."),
+}
+#: (implementation, label) -> where in the library a failure comes from
+WHY: dict[tuple[str, str], str] = {
+    ("fairscale", "bf16 autocast, no dropout"): _FAIRSCALE_AUTOCAST,
+    ("fairscale", "bf16 autocast, dropout"): _FAIRSCALE_AUTOCAST,
+    ("deepspeed", "bf16 autocast, no dropout"): _DEEPSPEED_AUTOCAST,
+    ("deepspeed", "bf16 autocast, dropout"): _DEEPSPEED_AUTOCAST,
+    ("deepspeed-nonreentrant", "bf16 autocast, no dropout"): _DEEPSPEED_NR_AUTOCAST,
+    ("deepspeed-nonreentrant", "bf16 autocast, dropout"): _DEEPSPEED_NR_AUTOCAST,
+    ("deepspeed", "inputs without grad (frozen embeddings)"): _REENTRANT_NO_GRAD.format(
+        where="deepspeed/runtime/activation_checkpointing/checkpointing.py `checkpoint` -> "
+              "`CheckpointFunction.apply`", warns=", silently"),
+    ("torch-reentrant", "inputs without grad (frozen embeddings)"): _REENTRANT_NO_GRAD.format(
+        where="torch/utils/checkpoint.py `CheckpointFunction`", warns=_TORCH_WARNS),
+    ("torch-wrapper", "reentrant=true, frozen embeddings"): _REENTRANT_NO_GRAD.format(
+        where="torch/utils/checkpoint.py `CheckpointFunction` (via `CheckpointImpl.REENTRANT`)",
+        warns=_TORCH_WARNS),
+    ("deepspeed", "BatchNorm running statistics"): (
+        "deepspeed/runtime/activation_checkpointing/checkpointing.py: `CheckpointFunction."
+        "backward` re-runs the segment in training mode: BatchNorm statistics updated twice."),
+    ("deepspeed-nonreentrant", "BatchNorm running statistics"): (
+        "deepspeed/runtime/activation_checkpointing/checkpointing.py: `checkpoint_unpack` "
+        "re-runs the segment in training mode: BatchNorm statistics updated twice."),
+    ("torch-sac", "policy=all, no dropout"): (
+        "By design, not a library fault: saving every op's output keeps more than autograd "
+        "itself would (outputs no backward formula needs), so more bytes are held than on the "
+        "full-storage path and the recompute property fails on memory."),
+    ("torch-sac", "policy=all, dropout"): (
+        "torch/utils/checkpoint.py, selective checkpoint's cache: CPU dropout decomposes into "
+        "`empty_like` then an in-place `bernoulli_`; a policy that saves `empty_like`'s "
+        "output sees the cached tensor mutated and torch refuses in backward ('Tensor cached "
+        "during selective activation checkpoint has been mutated'). A loud failure."),
+}
+for _spec in IMPLEMENTATIONS:
+    if _spec not in ("fairscale",):
+        WHY.setdefault((_spec, "BatchNorm running statistics"), _TORCH_BATCHNORM)
+for _spec in ("torch", "torch-reentrant", "torch-sac", "torch-wrapper"):
+    WHY[(_spec, _NO_RNG[0])] = _NO_RNG_WHY
+
+
+@dataclass
+class Row:
+    spec: str
+    label: str
+    verdict: str  # PASS, FAIL, or "not run"
+    failed: str  # failing properties, comma separated, or the reason it did not run
+    worst: str
+    first: str
+    command: str
+
+
+def run_rows(spec: str) -> list[Row]:
+    """Every regime of one implementation; a library that cannot run gives one 'not run' row."""
+    rows = []
+    for label, name, kwargs in COMMON + OPTIONS.get(spec, []):
+        impl = resolve(spec, kwargs=kwargs)
+        command = shlex.join(["gradequiv", "check", *impl.command_args(), "--device", "cpu",
+                              "--case", name])
+        try:
+            require(spec, kwargs)
+        except InvalidArgument as exc:
+            return [Row(spec, "every regime", "not run", str(exc), "", "", "")]
+        verdict = verify(impl, find_case(name))
+        failed = [p.name for p in verdict.properties if p.passed is False]
+        if verdict.error is not None:
+            failed = ["raised"]
+        checks = [c for p in verdict.properties for c in p.checks]
+        worst = max(checks, key=lambda c: c.rel_error, default=None)
+        worst_text = "-" if worst is None else (
+            "0 (bitwise equal)" if worst.rel_error == 0 else
+            f"{worst.rel_error:.3g} ({worst.property})")
+        rows.append(Row(spec, label, "PASS" if verdict.passed else "FAIL",
+                        ", ".join(failed) or "-", worst_text,
+                        _cell(verdict.first_failure) or "-", command))
+        print(f"{spec:24s} {label:44s} {rows[-1].verdict}", file=sys.stderr, flush=True)
+    return rows
+
+
+def _cell(text: str, limit: int = 160) -> str:
+    text = text.replace("|", "/").replace("\n", " ")
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def _version(dist: str) -> str:
+    try:
+        return metadata.version(dist)
+    except metadata.PackageNotFoundError:
+        return "not installed"
+
+
+def render(rows: dict[str, list[Row]]) -> str:
+    dists = sorted({dist for dist in LIBRARIES.values()})
+    versions = ", ".join(f"{d} {_version(d)}" for d in dists)
+    out = [
+        "# What gradequiv finds in the recompute implementations people train with",
+        "",
+        "Generated by `python ci/implementations.py`; `python ci/implementations.py --check` "
+        "(tox env `peers`) fails when these verdicts no longer match the code. Each row is one "
+        "named case (`gradequiv check --case NAME` replays it): two optimizer steps, every "
+        "property. The worst relative error is over every tensor compared, with the property "
+        "it belongs to; on CPU a correct recompute is bitwise equal to full storage, so the "
+        "bound for an fp32 gradient is 9.5e-7 even under bf16 autocast.",
+        "",
+        f"Conditions: {versions}; Python {platform.python_version()}, CPU "
+        f"({platform.machine()}), {torch.get_num_threads()} threads, no GPU.",
+        "",
+    ]
+    for spec in IMPLEMENTATIONS:
+        out += [f"## `{spec}`", ""]
+        first = rows[spec][0]
+        if first.verdict == "not run":
+            out += [f"Not run here: {first.failed}.", ""]
+            out += [NOT_RUN_WHY[spec], ""] if spec in NOT_RUN_WHY else []
+            out += [f"<!-- {spec} | not run -->", ""]
+            continue
+        out += ["| regime | verdict | failing properties | worst relative error | "
+                "first failure | reproduce |", "|---|---|---|---|---|---|"]
+        notes = []
+        for row in rows[spec]:
+            mark = ""
+            why = WHY.get((spec, row.label))
+            if row.verdict == "FAIL":
+                note = why or "Not yet traced to the library's code."
+                if note not in notes:
+                    notes.append(note)
+                mark = f" [{notes.index(note) + 1}]"
+            out.append(f"| {row.label} | **{row.verdict}**{mark} | {row.failed} | {row.worst} "
+                       f"| {row.first} | `{row.command}` |")
+        out.append("")
+        out += [f"[{i}] {note}" for i, note in enumerate(notes, start=1)]
+        out += [""] if notes else []
+    return "\n".join(out).rstrip() + "\n"
+
+
+_ROW = re.compile(r"^\| (?P<label>[^|]+?) \| \*\*(?P<verdict>PASS|FAIL)\*\*[^|]* \| "
+                  r"(?P<failed>[^|]+?) \|")
+
+
+def verdicts(text: str) -> dict[tuple[str, str], tuple[str, str]]:
+    """(implementation, regime) -> (verdict, failing properties), read back from the doc."""
+    found: dict[tuple[str, str], tuple[str, str]] = {}
+    spec = ""
+    for line in text.splitlines():
+        if line.startswith("## `"):
+            spec = line[4:].rstrip("`")
+        elif line.startswith(f"<!-- {spec} | not run"):
+            found[(spec, "every regime")] = ("not run", "")
+        elif (m := _ROW.match(line)) and spec:
+            found[(spec, m["label"])] = (m["verdict"], m["failed"])
+    return found
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--check", action="store_true",
+                        help=f"compare with {DOC.name} instead of writing it")
+    args = parser.parse_args(argv)
+    rows = {spec: run_rows(spec) for spec in IMPLEMENTATIONS}
+    text = render(rows)
+    if not args.check:
+        DOC.write_text(text, encoding="utf-8")
+        print(f"wrote {DOC}", file=sys.stderr)
+        return 0
+    old, new = verdicts(DOC.read_text(encoding="utf-8")), verdicts(text)
+    not_run = {spec for spec in IMPLEMENTATIONS if rows[spec][0].verdict == "not run"}
+    stale = []
+    for key in sorted(old.keys() | new.keys()):
+        if key[0] in not_run:
+            continue  # cannot run here (library missing, no CUDA): the doc's rows stand
+        if old.get(key) != new.get(key):
+            stale.append(f"{key[0]} / {key[1]}: doc says {old.get(key)}, code gives "
+                         f"{new.get(key)}")
+    for spec in sorted(not_run):
+        print(f"not checked here: {spec} ({rows[spec][0].failed})", file=sys.stderr)
+    if stale:
+        print(f"{DOC.name} is stale; rerun python ci/implementations.py:\n  "
+              + "\n  ".join(stale), file=sys.stderr)
+        return 1
+    print(f"{DOC.name} matches the code", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
