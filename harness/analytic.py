@@ -23,7 +23,7 @@ from dataclasses import dataclass
 import torch
 
 from gradequiv.harness.memory import ActivationCounter
-from gradequiv.models import BatchConfig, InvalidArgument, TransformerConfig, build
+from gradequiv.models import BatchConfig, InvalidArgument, Transformer, TransformerConfig, build
 
 __all__ = [
     "CPU_FP32", "KORTHIKANTI_16BIT", "Term", "korthikanti_bytes", "layer_bytes", "layer_terms",
@@ -145,7 +145,9 @@ def measured_layer_bytes(config: TransformerConfig, batch: BatchConfig, seed: in
     held by the next layer, so none of them is counted.
     """
     workload = build(config, batch, seed, torch.device("cpu"))
-    block = workload.model.train().blocks[0]
+    model = workload.model.train()
+    assert isinstance(model, Transformer)  # built from a TransformerConfig
+    block = model.blocks[0]
     shape = (batch.batch_size, batch.seq_len, config.n_embd)
     x, x0 = torch.randn(shape, requires_grad=True), torch.randn(shape, requires_grad=True)
     mask = workload.inputs[1] if len(workload.inputs) > 1 else None

@@ -25,7 +25,7 @@ from __future__ import annotations
 import weakref
 from collections.abc import Callable, Iterable
 from types import TracebackType
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 from torch import Tensor
@@ -41,8 +41,13 @@ __all__ = ["ActivationCounter", "BackwardPeak", "tensor_storage_bytes"]
 # indices of the returns that declare no alias.
 _FRESH_RETURNS: dict[Any, bool | tuple[int, ...]] = {}
 
-_new_with_weak_ptr = torch.UntypedStorage._new_with_weak_ptr  # type: ignore[attr-defined]
-_free_weak_ref = torch.UntypedStorage._free_weak_ref  # type: ignore[attr-defined]
+# Typed as they behave: torch's stubs leave _free_weak_ref untyped and miss that
+# _new_with_weak_ptr gives None for a freed storage (and _weak_ref below, typed as
+# returning a storage, returns the int key).
+_new_with_weak_ptr = cast(
+    Callable[[int], torch.UntypedStorage | None], torch.UntypedStorage._new_with_weak_ptr
+)
+_free_weak_ref = cast(Callable[[int], None], torch.UntypedStorage._free_weak_ref)
 
 
 def tensor_storage_bytes(t: Tensor) -> int:
@@ -75,7 +80,7 @@ def _weak_keys(tensors: Iterable[Tensor], into: set[int]) -> None:
         except (NotImplementedError, RuntimeError):
             continue
         if storage._cdata not in into:
-            into.add(storage._weak_ref())
+            into.add(storage._weak_ref())  # type: ignore[arg-type]  # an int: see above
 
 
 def _release(*key_sets: set[int]) -> None:
@@ -85,7 +90,9 @@ def _release(*key_sets: set[int]) -> None:
         keys.clear()
 
 
-class _StorageRecorder(TorchDispatchMode):
+# torch leaves TorchDispatchMode untyped (__init_subclass__, __init__, __enter__,
+# __exit__): hence the no-untyped-call ignores on subclassing and on those calls.
+class _StorageRecorder(TorchDispatchMode):  # type: ignore[no-untyped-call]
     """Adds each new output storage's weak reference to ``seen``; the per-op hot path."""
 
     @classmethod
@@ -96,7 +103,7 @@ class _StorageRecorder(TorchDispatchMode):
         return False
 
     def __init__(self, seen: set[int]) -> None:
-        super().__init__()
+        super().__init__()  # type: ignore[no-untyped-call]
         self.seen = seen
 
     def __torch_dispatch__(
@@ -117,7 +124,7 @@ class _StorageRecorder(TorchDispatchMode):
                 except (NotImplementedError, RuntimeError):
                     return out
                 if storage._cdata not in self.seen:
-                    self.seen.add(storage._weak_ref())
+                    self.seen.add(storage._weak_ref())  # type: ignore[arg-type]  # an int
             elif isinstance(out, (tuple, list)):
                 _weak_keys(_tensors(out), self.seen)
         elif fresh:  # some returns alias an input: record only the others
@@ -144,7 +151,7 @@ class _ModeScope:
 
     def __enter__(self) -> Self:
         self._mode = self._new_mode()
-        self._mode.__enter__()
+        self._mode.__enter__()  # type: ignore[no-untyped-call]
         return self
 
     def __exit__(
@@ -155,7 +162,7 @@ class _ModeScope:
     ) -> None:
         mode, self._mode = self._mode, None
         if mode is not None:
-            mode.__exit__(exc_type, exc, tb)
+            mode.__exit__(exc_type, exc, tb)  # type: ignore[no-untyped-call]
 
 
 def _alive_bytes(keys: Iterable[int], skip: set[int]) -> int:
@@ -215,7 +222,7 @@ class ActivationCounter(_ModeScope):
         return sum(1 for storage in self._alive(ignore) if storage.nbytes())
 
 
-class _RecomputeRecorder(_StorageRecorder):
+class _RecomputeRecorder(_StorageRecorder):  # type: ignore[no-untyped-call]
     """During backward: records what the recompute creates, and the peak after every op.
 
     Backward's own gradient arithmetic runs with grad mode off; a recompute

@@ -54,8 +54,9 @@ class Mutant:
 
     @property
     def impl(self) -> Callable[..., Any]:
-        fn = functools.partial(checkpoint_with_faults, faults=self.faults)
-        functools.update_wrapper(fn, checkpoint_with_faults)
+        fn = functools.update_wrapper(
+            functools.partial(checkpoint_with_faults, faults=self.faults), checkpoint_with_faults
+        )
         fn.__name__ = fn.__qualname__ = self.name.replace("-", "_")
         fn.__doc__ = self.models
         return fn
@@ -115,7 +116,7 @@ def checkpoint_with_faults(
         args = tuple(a.detach() if isinstance(a, Tensor) else a for a in args)
     run = _Run(function, args, kwargs, faults)
     tensors = [a for a in args if isinstance(a, Tensor)]
-    out = _Recompute.apply(run, *tensors)
+    out = _Recompute.apply(run, *tensors)  # type: ignore[no-untyped-call]  # untyped in torch
     if faults.padding_zeroed:
         mask = next((a for a in args if isinstance(a, Tensor) and a.dtype == torch.bool
                      and a.dim() == 2), None)
@@ -136,7 +137,7 @@ class _Run:
 
     def capture(self) -> None:
         self.cpu_rng = torch.get_rng_state()
-        if torch.cuda.is_available() and torch.cuda.is_initialized():
+        if torch.cuda.is_available() and torch.cuda.is_initialized():  # type: ignore[no-untyped-call]
             self.cuda_rng = [torch.cuda.get_rng_state(d) for d in range(torch.cuda.device_count())]
         for device_type in ("cuda", "cpu"):
             if torch.is_autocast_enabled(device_type):

@@ -32,6 +32,7 @@ from gradequiv.harness.adapters import Implementation
 from gradequiv.harness.case import Case
 from gradequiv.harness.memory import ActivationCounter
 from gradequiv.models import Segment, Workload, build
+from gradequiv.models.segments import RoutedModel
 
 LEARNING_RATE = 1e-2
 MOMENTUM = 0.9
@@ -112,7 +113,7 @@ def run_path(
             if impl is not None:
                 impl.install(model, segments)
             else:
-                model.router.install(segments, None)  # type: ignore[attr-defined]
+                model.router.install(segments, None)
             phase = _Phase()
             calls = _count_calls(model, segments, phase)
             grads_in = _SegmentInputGrads(model, segments)
@@ -141,7 +142,7 @@ def run_path(
                     run.held_bytes = held
                 where = f"step {step} backward"
                 with phase.backward():
-                    loss.backward()
+                    loss.backward()  # type: ignore[no-untyped-call]  # untyped in torch
                 run.steps.append(
                     _record(model, params, inputs, loss, outputs, grads_in.grads, calls, device)
                 )
@@ -211,7 +212,7 @@ def _seed_stream(seed: int, device: torch.device) -> None:
     Cheaper than ``torch.manual_seed``, which also queues a lazy seed for every
     CUDA device (with a stack trace) even where none is in use.
     """
-    torch.random.default_generator.manual_seed(seed)
+    torch.default_generator.manual_seed(seed)
     if device.type == "cuda":
         torch.cuda.manual_seed_all(seed)
 
@@ -254,12 +255,12 @@ class _SegmentInputGrads:
     before from a new one that reuses a freed tensor's id.
     """
 
-    def __init__(self, model: nn.Module, segments: list[Segment]) -> None:
+    def __init__(self, model: RoutedModel, segments: list[Segment]) -> None:
         self.grads: dict[str, Tensor] = {}
         self._seen: dict[int, weakref.ref[Tensor]] = {}
         self._modules = {s.name: s.module for s in segments}
         self._signatures: dict[type, inspect.Signature] = {}
-        model.router.on_call = self._on_call  # type: ignore[attr-defined]
+        model.router.on_call = self._on_call
 
     def reset(self) -> None:
         self.grads = {}
@@ -281,7 +282,7 @@ class _SegmentInputGrads:
             if known is not None and known() is value:
                 continue
             self._seen[id(value)] = weakref.ref(value)
-            value.register_hook(self._store(f"input:{segment}:{arg}"))
+            value.register_hook(self._store(f"input:{segment}:{arg}"))  # type: ignore[no-untyped-call]
 
     def _store(self, key: str) -> Any:
         def hook(grad: Tensor | None) -> None:

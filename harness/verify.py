@@ -163,14 +163,14 @@ def _check_all(
     results = {name: PropertyResult(name, True) for name in PROPERTIES}
     items: list[_Item] = []
     first = (rc.steps[0], full.steps[0], floor.steps[0])
-    items += [("outputs", "loss", *(s.loss for s in first)),
-              ("outputs", "model output", *(s.outputs for s in first))]
+    items += [_item("outputs", "loss", [s.loss for s in first]),
+              _item("outputs", "model output", [s.outputs for s in first])]
     items += _named("gradients", "", [s.grads for s in first])
     items += _named("buffers", "buffer ", [s.buffers for s in first])
     for k, steps in enumerate(zip(rc.steps, full.steps, floor.steps), start=1):
         items += _named("rng", f"RNG state after step {k}: ", [s.rng for s in steps])
         if k > 1:
-            items += [("trajectory", f"step {k} loss", *(s.loss for s in steps))]
+            items += [_item("trajectory", f"step {k} loss", [s.loss for s in steps])]
             items += _named("trajectory", f"step {k} ", [s.grads for s in steps])
     items += _named("trajectory", f"weight after step {case.steps}: ",
                     [rc.params, full.params, floor.params])
@@ -204,6 +204,12 @@ def _check_all(
             elif not result.summary:
                 result.summary = _summary(result)
     return [results[name] for name in PROPERTIES]
+
+
+def _item(prop: str, name: str, values: list[Any]) -> _Item:
+    """One item from the three paths' values (recompute, full, floor run)."""
+    rc, full, floor = values
+    return (prop, name, rc, full, floor)
 
 
 def _named(prop: str, prefix: str, maps: list[dict[str, Any]]) -> list[_Item]:

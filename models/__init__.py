@@ -12,7 +12,7 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
-from torch import Tensor, nn
+from torch import Tensor
 
 from gradequiv.models.batchnorm import BatchNormConfig, BatchNormNet
 from gradequiv.models.errors import InvalidArgument
@@ -26,7 +26,7 @@ from gradequiv.models.granularity import (
     NoRecompute,
     parse_granularity,
 )
-from gradequiv.models.segments import Router, Segment
+from gradequiv.models.segments import RoutedModel, Router, Segment
 from gradequiv.models.transformer import Transformer, TransformerConfig
 
 __all__ = [
@@ -79,13 +79,13 @@ class Workload:
     that require grad get their gradient observed.
     """
 
-    model: nn.Module
+    model: RoutedModel
     inputs: tuple[Tensor | None, ...]
     targets: Tensor
     loss_fn: Callable[[Tensor, Tensor], Tensor]
 
     def segments(self, granularity: Granularity) -> list[Segment]:
-        return self.model.segments(granularity)  # type: ignore[operator, no-any-return]
+        return self.model.segments(granularity)
 
 
 def make_batch(
@@ -130,9 +130,9 @@ def build(
 ) -> Workload:
     """Initialise the model from ``seed`` and draw its fixed batch from ``seed`` too."""
     with torch.random.fork_rng(devices=[]):
-        torch.random.default_generator.manual_seed(seed)  # weights are made on the CPU
+        torch.default_generator.manual_seed(seed)  # weights are made on the CPU
         if isinstance(model_config, TransformerConfig):
-            model: nn.Module = Transformer(model_config)
+            model: RoutedModel = Transformer(model_config)
         elif isinstance(model_config, BatchNormConfig):
             if batch.batch_size < 2:
                 raise InvalidArgument(

@@ -56,7 +56,8 @@ class NormBlock(nn.Module):
         self.dropout = nn.Dropout(config.dropout)
 
     def forward(self, x: Tensor) -> Tensor:
-        return x + self.dropout(self.act(self.bn(self.fc(x))))
+        branch: Tensor = self.dropout(self.act(self.bn(self.fc(x))))
+        return x + branch
 
 
 class BatchNormNet(RoutedModel):
@@ -90,4 +91,5 @@ class BatchNormNet(RoutedModel):
         x = features
         for block in self.blocks:
             x = self.router(block, x)
-        return self.head(x)
+        logits: Tensor = self.head(x)
+        return logits

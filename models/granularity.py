@@ -92,7 +92,10 @@ _PLAIN: dict[str, Granularity] = {
     "attention": AttentionOnly(),
     "mlp": MlpOnly(),
 }
-_WITH_K = {"every": EveryKthLayer, "group": LayerGroups}
+_WITH_K: dict[str, type[EveryKthLayer | LayerGroups]] = {
+    "every": EveryKthLayer,
+    "group": LayerGroups,
+}
 
 
 def parse_granularity(text: str) -> Granularity:

@@ -14,8 +14,9 @@ mixes back in), a padding mask that does not, and keyword arguments
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass
-from typing import Any, Literal
+from typing import Any, Literal, cast
 
 import torch
 import torch.nn.functional as F
@@ -108,7 +109,8 @@ class Attention(nn.Module):
             att = self.attn_dropout(F.softmax(att, dim=-1))
             y = att @ v  # (B, nh, T, hs)
         y = y.transpose(1, 2).contiguous().view(B, T, C)
-        return self.resid_dropout(self.proj(y))
+        out: Tensor = self.resid_dropout(self.proj(y))
+        return out
 
 
 def _allowed_keys(
@@ -147,7 +149,8 @@ class MLP(nn.Module):
             hidden = self.act(gate) * up
         else:
             hidden = self.act(self.fc(h))
-        return self.resid_dropout(self.proj(self.mlp_dropout(hidden)))
+        out: Tensor = self.resid_dropout(self.proj(self.mlp_dropout(hidden)))
+        return out
 
 
 class Block(nn.Module):
@@ -179,11 +182,13 @@ class Block(nn.Module):
             a = self.router(self.attn, self.norm_1(x), key_padding_mask, causal=causal)
             x = x + residual_scale * self.drop_path(a)
             m = self.router(self.mlp, self.norm_2(x))
-            return x + residual_scale * self.drop_path(m)
-        a = self.router(self.attn, x, key_padding_mask, causal=causal)
-        x = self.norm_1(x + residual_scale * self.drop_path(a))
-        m = self.router(self.mlp, x)
-        return self.norm_2(x + residual_scale * self.drop_path(m))
+            x = x + residual_scale * self.drop_path(m)
+        else:
+            a = self.router(self.attn, x, key_padding_mask, causal=causal)
+            x = self.norm_1(x + residual_scale * self.drop_path(a))
+            m = self.router(self.mlp, x)
+            x = self.norm_2(x + residual_scale * self.drop_path(m))
+        return x
 
 
 class LayerGroup(nn.Module):
@@ -287,7 +292,7 @@ class Transformer(RoutedModel):
 
     def segments(self, granularity: Granularity) -> list[Segment]:
         """The modules that recompute under ``granularity``, in call order."""
-        blocks = list(self.blocks)
+        blocks = cast("list[Block]", list(self.blocks))  # the stubs' ModuleList holds Modules
         self._groups = []
         if isinstance(granularity, NoRecompute):
             return []
@@ -324,9 +329,10 @@ class Transformer(RoutedModel):
         pos = torch.arange(T, device=tokens.device)
         x0 = self.embd_dropout(self.wte(tokens) + self.wpe(pos))  # (B, T, C)
         x = x0
-        layers: list[nn.Module] = self._groups if self._groups else list(self.blocks)
+        layers: Sequence[nn.Module] = self._groups if self._groups else list(self.blocks)
         for layer in layers:
             x = self.router(
                 layer, x, x0, key_padding_mask, causal=True, residual_scale=self.residual_scale
             )
-        return self.lm_head(self.norm_f(x))  # (B, T, vocab)
+        logits: Tensor = self.lm_head(self.norm_f(x))  # (B, T, vocab)
+        return logits

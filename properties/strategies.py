@@ -96,7 +96,8 @@ def transformer_configs(
     _check_range("layers", min_layers, max_layers)
     if max_width < 4:
         raise InvalidArgument(f"max_width={max_width!r}: must be at least 4")
-    rates = draw(dropout if dropout is not None else dropout_regimes())
+    # Config field names known only at run time: the ** below cannot be checked per field.
+    rates: dict[str, Any] = draw(dropout if dropout is not None else dropout_regimes())
     n_layer = draw(st.integers(min_layers, max_layers))
     n_head = draw(st.sampled_from([h for h in (1, 2, 4) if 4 * h <= max_width]))
     head_dim = draw(st.sampled_from([d for d in (4, 8, 16, 32) if n_head * d <= max_width]))
@@ -183,6 +184,7 @@ def batchnorm_cases(draw: st.DrawFn, *, device: str = "cpu") -> Case:
 @st.composite
 def cases(
     draw: st.DrawFn,
+    /,
     *,
     device: str = "cpu",
     models: tuple[str, ...] = ("transformer",),

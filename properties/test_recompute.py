@@ -34,10 +34,12 @@ def _drawn_cases() -> st.SearchStrategy[Case]:
 
 def _suite(test: Callable[..., None]) -> Callable[..., None]:
     """Given drawn cases, with the run's seed and its profile's settings."""
+    default = settings.default
+    assert default is not None  # None only while hypothesis itself is being imported
     profile = settings(
         max_examples=1 if OPTIONS.case is not None else OPTIONS.max_examples,
         deadline=None,
-        database=None if OPTIONS.profile == "ci" else settings.default.database,
+        database=None if OPTIONS.profile == "ci" else default.database,
         derandomize=False,  # the run's seed decides the draws (see the header line)
         print_blob=True,
         phases=[p for p in Phase if OPTIONS.shrink or p not in (Phase.shrink, Phase.explain)],
