@@ -8,8 +8,12 @@ told in one line that names the value, the rule and a fix.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
+import signal
 import sys
+import threading
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, NoReturn
 
@@ -116,16 +120,31 @@ def build_parser() -> argparse.ArgumentParser:
     prof.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
     prof.add_argument("--report-dir", type=Path, default=None, metavar="DIR",
                       help="write DIR/profile.json, profile.md and profile.png")
+    report = commands.add_parser(
+        "report", help="render a report folder as Markdown, HTML or JUnit XML")
+    report.add_argument("folder", type=Path, metavar="DIR",
+                        help="a --report-dir of check, mutants and/or profile")
+    report.add_argument("--format", choices=(*FORMATS, "all"), default="all",
+                        help="md (CI job summary), html (self-contained page with plots), "
+                             "junit (XML); all: every format (default)")
+    report.add_argument("--output", default=None, metavar="PATH",
+                        help="where to write one format ('-': standard output); default "
+                             "DIR/report.md, DIR/report.html, DIR/junit.xml")
+    report.add_argument("--fail-on-verdict", action="store_true",
+                        help="exit 1 when the report's verdict is not pass (CI gates)")
     return parser
 
 
+#: Output formats of ``gradequiv report`` and their default file names.
+FORMATS = {"md": "report.md", "html": "report.html", "junit": "junit.xml"}
 _DEFAULT_GRANULARITIES = ("none", "layer", "every:2", "group:2", "attention", "mlp")
 
 
 def main(argv: list[str] | None = None) -> int:
     try:
         args = build_parser().parse_args(argv)
-        commands = {"check": _check, "mutants": _mutants, "profile": _profile}
+        commands = {"check": _check, "mutants": _mutants, "profile": _profile,
+                    "report": _report}
         return commands[args.command](args)
     except _UsageError as exc:
         print(f"gradequiv: error: {exc}", file=sys.stderr)
@@ -168,11 +187,30 @@ def _check(args: argparse.Namespace) -> int:
         pytest_args += ["-p", "gradequiv.properties.plugin"]
     print(f"gradequiv check: {impl.spec} ({impl.adapter}) on {device}, torch "
           f"{torch.__version__}, {torch.get_num_threads()} threads", flush=True)
-    code = run_pytest(pytest_args)
+    with _sigterm_as_interrupt():
+        code = run_pytest(pytest_args)
     if code == 2:
         print("gradequiv: interrupted; the report keeps what finished, marked incomplete",
               file=sys.stderr)
     return {0: EXIT_PASS, 1: EXIT_FAIL, 2: EXIT_INTERRUPTED}.get(code, EXIT_USAGE)
+
+
+@contextlib.contextmanager
+def _sigterm_as_interrupt() -> Iterator[None]:
+    """A CI runner's SIGTERM (timeout, cancel) stops the run like Ctrl-C: the report is
+    written, marked incomplete, instead of the process vanishing mid-case."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def interrupt(signum: int, frame: Any) -> None:
+        raise KeyboardInterrupt
+
+    previous = signal.signal(signal.SIGTERM, interrupt)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
 
 
 def run_pytest(args: list[str]) -> int:
@@ -255,6 +293,52 @@ def _profile(args: argparse.Namespace) -> int:
         print(f"report: {args.report_dir / 'profile.json'}" + (f" (no plot: {missing})"
                                                               if missing else ""))
     return EXIT_PASS
+
+
+def _report(args: argparse.Namespace) -> int:
+    """Render the folder's JSON in the asked formats; writes are atomic, like the JSON's."""
+    from gradequiv.harness.bundle import load_bundle
+    from gradequiv.harness.report import write_text_atomic
+    from gradequiv.models import InvalidArgument
+
+    try:
+        bundle = load_bundle(args.folder)
+    except InvalidArgument as exc:
+        raise _UsageError(str(exc)) from exc
+    formats = list(FORMATS) if args.format == "all" else [args.format]
+    if args.output is not None and len(formats) > 1:
+        raise _UsageError(f"--output={args.output!r} names one file but --format=all writes "
+                          f"{len(formats)}; add --format md, html or junit")
+    if "junit" in formats and bundle.report is None:
+        if args.format == "junit":
+            raise _UsageError(f"--format junit needs {args.folder / 'report.json'}, written by "
+                              f"`gradequiv check --report-dir {args.folder}`")
+        formats.remove("junit")
+    for name in formats:
+        text = _render(name, bundle)
+        if args.output == "-":
+            sys.stdout.write(text)
+            continue
+        path = Path(args.output) if args.output else args.folder / FORMATS[name]
+        write_text_atomic(path, text)
+        print(f"gradequiv report: wrote {path}", file=sys.stderr)
+    if args.fail_on_verdict and bundle.verdict != "pass":
+        return EXIT_FAIL
+    return EXIT_PASS
+
+
+def _render(name: str, bundle: Any) -> str:
+    if name == "md":
+        from gradequiv.harness.summary_md import render_markdown
+
+        return render_markdown(bundle)
+    if name == "html":
+        from gradequiv.harness.html_page import render_html
+
+        return render_html(bundle)
+    from gradequiv.harness.junit import render_junit
+
+    return render_junit(bundle.report)
 
 
 def _device(choice: str, torch: Any) -> Any:

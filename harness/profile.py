@@ -305,29 +305,11 @@ def markdown(result: ProfileResult) -> str:
 
 def plot(result: ProfileResult, path: Path) -> str | None:
     """Memory against step time as a PNG; the reason when matplotlib is missing."""
-    try:
-        import matplotlib
+    from gradequiv.harness.figures import MISSING_MATPLOTLIB, frontier_png
 
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        return "matplotlib is not installed (pip install 'gradequiv[plot]')"
-    fig, ax = plt.subplots(figsize=(6, 4), dpi=120)
-    xs = [r.step_s["p50"] * 1e3 for r in result.rows]
-    ys = [r.held_bytes / 2**20 for r in result.rows]
-    ax.scatter(xs, ys, color=["tab:red" if r.on_frontier else "tab:gray" for r in result.rows])
-    frontier = sorted((x, y) for x, y, r in zip(xs, ys, result.rows) if r.on_frontier)
-    if frontier:
-        ax.plot(*zip(*frontier), color="tab:red", linewidth=1, label="frontier")
-        ax.legend()
-    for x, y, r in zip(xs, ys, result.rows):
-        ax.annotate(r.granularity, (x, y), textcoords="offset points", xytext=(4, 4),
-                    fontsize=8)
-    ax.set_xlabel("step time p50 (ms)")
-    ax.set_ylabel("activation memory held (MiB)")
-    ax.set_title(result.conditions["shape"], fontsize=8)
-    fig.tight_layout()
+    png = frontier_png(result.to_dict())
+    if png is None:
+        return MISSING_MATPLOTLIB
     path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path)
-    plt.close(fig)
+    path.write_bytes(png)
     return None

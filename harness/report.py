@@ -139,6 +139,11 @@ def first_mismatch(record: dict[str, Any]) -> dict[str, Any] | None:
 
 def write_json_atomic(path: Path, data: dict[str, Any]) -> None:
     """Write ``data`` to ``path`` so that readers see the old file or the new one, whole."""
+    write_text_atomic(path, json.dumps(data, indent=1, sort_keys=False, allow_nan=False) + "\n")
+
+
+def write_text_atomic(path: Path, text: str) -> None:
+    """Write ``text`` to ``path`` through a temporary file and a rename: never half a file."""
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
     umask = os.umask(0)
@@ -146,8 +151,7 @@ def write_json_atomic(path: Path, data: dict[str, Any]) -> None:
     os.chmod(tmp, 0o666 & ~umask)  # mkstemp makes it 0600; a report is for others to read
     try:
         with os.fdopen(fd, "w", encoding="utf-8") as handle:
-            json.dump(data, handle, indent=1, sort_keys=False, allow_nan=False)
-            handle.write("\n")
+            handle.write(text)
             handle.flush()
             os.fsync(handle.fileno())
         os.replace(tmp, path)

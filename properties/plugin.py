@@ -123,6 +123,48 @@ def pytest_configure(config: pytest.Config) -> None:
     options.shrink = not _setting(config, "no-shrink")
     runtime.CACHE.clear()
     config.pluginmanager.register(_Gatherer(config), "gradequiv-gatherer")
+    runtime.CACHE.on_verdict = None
+    if not hasattr(config, "workerinput"):  # xdist workers cannot write to the terminal
+        runtime.CACHE.on_verdict = _Progress(config)
+
+
+class _Progress:
+    """Progress lines on long runs: cases verified, failing, time, the regime now running.
+
+    Plain lines (they must read well in a CI log, where nothing is a
+    terminal), written past pytest's output capture: the first after a few
+    seconds, then at most one per interval, and at once for the first failure.
+    """
+
+    FIRST_S, EVERY_S = 5.0, 15.0
+
+    def __init__(self, config: pytest.Config) -> None:
+        import time
+
+        self.config, self.clock = config, time.monotonic
+        self.started = self.last = self.clock()
+        self.cases = self.failing = 0
+        self.quiet = config.get_verbosity() < -1
+
+    def __call__(self, verdict: Any) -> None:
+        self.cases += 1
+        first_failure = not verdict.passed and self.failing == 0
+        self.failing += not verdict.passed
+        now = self.clock()
+        due = self.FIRST_S if self.last == self.started else self.EVERY_S
+        if self.quiet or not (first_failure or now - self.last >= due):
+            return
+        self.last = now
+        line = (f"gradequiv: {self.cases} cases verified, {self.failing} failing, "
+                f"{now - self.started:.0f} s; {'FAILED' if not verdict.passed else 'last'}: "
+                f"{verdict.case.describe()}")
+        reporter = self.config.pluginmanager.getplugin("terminalreporter")
+        capture = self.config.pluginmanager.getplugin("capturemanager")
+        if reporter is None or capture is None:
+            return
+        with capture.global_and_fixture_disabled():
+            reporter.ensure_newline()
+            reporter.write_line(line)
 
 
 _SUITE = "gradequiv.properties.test_recompute"
@@ -215,6 +257,8 @@ class _Gatherer:
                 self.failures.append(dict(value, test=report.nodeid.split("::")[-1]))
         if report.when == "call" or report.failed:
             self.outcomes[report.nodeid.split("::")[-1]] = report.outcome
+        if report.when == "teardown" and self._writes_report():
+            self.write_report(complete=False)  # a kill from here on keeps what finished
 
     def pytest_terminal_summary(self, terminalreporter: Any) -> None:
         if not self.outcomes:
@@ -236,10 +280,12 @@ class _Gatherer:
         write(f"verdict: {'FAIL' if failed else 'pass'} (Using --gradequiv-seed="
               f"{runtime.OPTIONS.seed})")
 
+    def _writes_report(self) -> bool:
+        return not self.is_worker and runtime.OPTIONS.report_dir is not None and self.collected
+
     def pytest_sessionfinish(self, exitstatus: int) -> None:
-        if self.is_worker or runtime.OPTIONS.report_dir is None or not self.collected:
-            return
-        self.write_report(complete=exitstatus in (0, 1))
+        if self._writes_report():
+            self.write_report(complete=exitstatus in (0, 1))
 
     def write_report(self, *, complete: bool) -> None:
         """report.json: the engine's format, plus the suite's tests and minimal failures."""

@@ -10,6 +10,7 @@ down its three paths once, whichever property asks first.
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -67,10 +68,15 @@ def resolve_device(choice: str) -> Any:
 
 
 class VerdictCache:
-    """One verdict per (implementation, case) in this process."""
+    """One verdict per (implementation, case) in this process.
+
+    ``on_verdict`` (set by the plugin) hears of each verdict computed, for
+    progress lines on long runs.
+    """
 
     def __init__(self) -> None:
         self._verdicts: dict[tuple[str, str, str], Verdict] = {}
+        self.on_verdict: Callable[[Verdict], None] | None = None
 
     def verify(self, impl: Implementation, case: Case, device: Any) -> tuple[Verdict, bool]:
         """The verdict, and whether it was computed now (False: from the cache)."""
@@ -83,6 +89,8 @@ class VerdictCache:
         tolerance = Tolerance(case.dtype, OPTIONS.rtol, OPTIONS.atol)
         verdict = verify(impl, case, device=device, tolerance=tolerance)
         self._verdicts[key] = verdict
+        if self.on_verdict is not None:
+            self.on_verdict(verdict)
         return verdict, True
 
     def clear(self) -> None:

@@ -153,3 +153,15 @@ def wrong_only_at_first(fn: Any, *args: Any, **kwargs: Any) -> Any:
     """Nondeterministic in effect: skews gradients on its first two calls in the process only."""
     out = _checkpoint(fn, *args, **kwargs)
     return _ScaleGrad.apply(out, 1 + 1e-3) if next(_flaky_calls) < 2 else out
+
+
+def sleepy(fn: Any, *args: Any, **kwargs: Any) -> Any:
+    """Correct, but slow once the first property test is over (a run to interrupt)."""
+    import os
+    import time
+    from pathlib import Path
+
+    marker = os.environ.get("GRADEQUIV_TEST_SLEEP_AFTER")
+    if marker and Path(marker).exists():
+        time.sleep(0.5)
+    return _checkpoint(fn, *args, **kwargs)

@@ -1,0 +1,77 @@
+"""A report folder as one object: report.json, and mutants.json and profile.json when present.
+
+Every output format (``gradequiv report DIR --format ...``) is rendered from
+this, never from a live run, so what CI shows is what the JSON says.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from importlib.resources import files
+from pathlib import Path
+from typing import Any
+
+from gradequiv.models import InvalidArgument
+
+__all__ = ["ReportBundle", "load_bundle", "report_schema"]
+
+
+def report_schema() -> dict[str, Any]:
+    """The JSON Schema of report.json, as shipped in the package."""
+    text = files("gradequiv.harness").joinpath("schema/report.schema.json").read_text("utf-8")
+    schema: dict[str, Any] = json.loads(text)
+    return schema
+
+
+@dataclass
+class ReportBundle:
+    folder: Path
+    report: dict[str, Any] | None = None  # report.json of `check`
+    mutants: dict[str, Any] | None = None  # mutants.json of `mutants`
+    profile: dict[str, Any] | None = None  # profile.json of `profile`
+
+    def parts(self) -> list[tuple[str, dict[str, Any]]]:
+        """The reports present, in reading order: ("check" | "mutants" | "profile", data)."""
+        named = (("check", self.report), ("mutants", self.mutants), ("profile", self.profile))
+        return [(name, data) for name, data in named if data is not None]
+
+    @property
+    def verdict(self) -> str:
+        """fail if any part fails, or if the check report is incomplete."""
+        parts = [p for p in (self.report, self.mutants) if p is not None]
+        if any(p.get("verdict") != "pass" for p in parts):
+            return "fail"
+        if self.report is not None and not self.report.get("complete", True):
+            return "incomplete"
+        return "pass"
+
+
+def load_bundle(folder: Path | str) -> ReportBundle:
+    """Read a report folder; an exit-2 error names what is missing or unreadable."""
+    folder = Path(folder)
+    if not folder.is_dir():
+        raise InvalidArgument(f"report folder {str(folder)!r} does not exist; pass the folder "
+                              f"given to --report-dir")
+    bundle = ReportBundle(folder)
+    for attr, name, command in (("report", "report.json", "check"),
+                                ("mutants", "mutants.json", "mutants"),
+                                ("profile", "profile.json", "profile")):
+        path = folder / name
+        if not path.exists():
+            continue
+        try:
+            data = json.loads(path.read_text(encoding="utf-8"))
+        except (OSError, json.JSONDecodeError) as exc:
+            raise InvalidArgument(f"{str(path)!r} is not readable JSON ({exc}); re-run "
+                                  f"`gradequiv {command}` to write it again") from exc
+        version = data.get("schema_version") if isinstance(data, dict) else None
+        if version != 1:
+            raise InvalidArgument(f"{str(path)!r} has schema_version={version!r}; this "
+                                  f"gradequiv reads version 1")
+        setattr(bundle, attr, data)
+    if bundle.report is None and bundle.mutants is None and bundle.profile is None:
+        raise InvalidArgument(f"report folder {str(folder)!r} holds none of report.json, "
+                              f"mutants.json, profile.json; run `gradequiv check --report-dir "
+                              f"{folder}` first")
+    return bundle

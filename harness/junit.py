@@ -1,0 +1,91 @@
+"""JUnit XML: one testcase per property and case family, failures carrying the minimal case.
+
+CI systems draw their test tabs from JUnit. A family is the cases that share
+a dtype regime and a recompute granularity kind (``layer``, ``every``,
+``group``, ...), so a tab says "gradients [bf16-autocast, attention]" failed,
+not one of thirty drawn shapes. Each failing testcase carries its smallest
+failing case (the property suite's shrunk example when there is one) and the
+command that reproduces it.
+"""
+
+from __future__ import annotations
+
+import json
+import xml.etree.ElementTree as ET
+from typing import Any
+
+__all__ = ["case_family", "render_junit"]
+
+
+def case_family(case: dict[str, Any]) -> str:
+    kind = case["granularity"].split(":")[0]
+    return f"{case.get('model_kind', 'transformer')}, {case['dtype']}, {kind}"
+
+
+def _size(case: dict[str, Any]) -> int:
+    model, batch = case["model"], case["batch"]
+    return (model.get("n_layer", 1) * model.get("n_embd", model.get("width", 1))
+            * batch["batch_size"] * batch["seq_len"])
+
+
+def render_junit(report: dict[str, Any]) -> str:
+    impl = report["implementation"]["spec"]
+    groups: dict[tuple[str, str], list[tuple[dict[str, Any], dict[str, Any]]]] = {}
+    for record in report["cases"]:
+        family = case_family(record["case"])
+        for prop in record["properties"]:
+            groups.setdefault((prop["name"], family), []).append((record, prop))
+    shrunk = {(f["property"], case_family(f["case"])): f
+              for f in reversed(report.get("minimal_failures", []))}
+    suite = ET.Element("testsuite", name=f"gradequiv[{impl}]")
+    failures = errors = skipped = 0
+    for (prop_name, family), members in sorted(groups.items()):
+        seconds = sum(sum(r["seconds"].values()) / max(len(r["properties"]), 1)
+                      for r, _ in members)
+        testcase = ET.SubElement(suite, "testcase", classname=f"gradequiv.{impl}",
+                                 name=f"{prop_name} [{family}]", time=f"{seconds:.3f}")
+        failing = [(r, p) for r, p in members if p["status"] == "fail" or r["error"]]
+        if failing:
+            record, prop = min(failing, key=lambda rp: _size(rp[0]["case"]))
+            minimal = shrunk.get((prop_name, family))
+            case = minimal["case"] if minimal else record["case"]
+            message = (minimal["message"] if minimal else
+                       prop["summary"] or record["first_failure"] or record["error"] or "failed")
+            reproduce = minimal["reproduce"] if minimal else record["reproduce"]
+            element = ET.SubElement(testcase, "error" if record["error"] else "failure",
+                                    message=message.splitlines()[0], type=prop_name)
+            element.text = (f"{len(failing)} of {len(members)} cases fail.\n{message}\n\n"
+                            f"minimal case: {json.dumps(case, sort_keys=True)}\n"
+                            f"reproduce: {reproduce}\n")
+            errors += bool(record["error"])
+            failures += not record["error"]
+        elif all(p["status"] == "n/a" for _, p in members):
+            ET.SubElement(testcase, "skipped", message=members[0][1]["summary"] or "n/a")
+            skipped += 1
+        else:
+            out = ET.SubElement(testcase, "system-out")
+            out.text = f"{len(members)} cases pass\n"
+    caught = {name for (name, _), members in groups.items()
+              if any(p["status"] == "fail" or r["error"] for r, p in members)}
+    for test, outcome in report.get("tests", {}).items():
+        name = test.removeprefix("test_")
+        covered = bool(caught) if name.startswith("named_case") else name in caught
+        if outcome == "failed" and not covered:
+            # The suite failed where no single case did (a named case, a replay, an error).
+            testcase = ET.SubElement(suite, "testcase", classname=f"gradequiv.{impl}",
+                                     name=f"{test} [property suite]", time="0")
+            ET.SubElement(testcase, "failure", message=f"{test} failed; see report.json",
+                          type="suite")
+            failures += 1
+    if not report.get("complete", True):
+        testcase = ET.SubElement(suite, "testcase", classname=f"gradequiv.{impl}",
+                                 name="run complete", time="0")
+        ET.SubElement(testcase, "error", message="the run stopped before all cases finished",
+                      type="incomplete")
+        errors += 1
+    suite.set("tests", str(len(suite)))
+    suite.set("failures", str(failures))
+    suite.set("errors", str(errors))
+    suite.set("skipped", str(skipped))
+    ET.indent(suite)
+    return ET.tostring(suite, encoding="unicode", xml_declaration=True) + "\n"

@@ -1,0 +1,101 @@
+"""The Markdown summary: short verdict first, then failures with their reproduce commands.
+
+Sized for a CI job summary (GitHub's $GITHUB_STEP_SUMMARY): a reader sees in
+the first lines whether the build should stop and why, and can copy one
+command to reproduce the first failure locally.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from gradequiv.harness.bundle import ReportBundle
+from gradequiv.harness.findings import find
+
+__all__ = ["render_markdown"]
+
+MAX_FAILURES = 10
+
+
+def render_markdown(bundle: ReportBundle) -> str:
+    lines = [f"## gradequiv: {bundle.verdict.upper()}", ""]
+    sections = {"check": _check, "mutants": _mutants, "profile": _profile}
+    for name, data in bundle.parts():
+        lines += sections[name](data)
+    return "\n".join(lines).rstrip() + "\n"
+
+
+def _check(report: dict[str, Any]) -> list[str]:
+    impl = report["implementation"]
+    kwargs = "".join(f", {k}={v}" for k, v in impl["kwargs"].items())
+    summary = report["summary"]
+    tests = report.get("tests", {})
+    passed = sum(v == "passed" for v in tests.values())
+    head = (f"**{report['verdict'].upper()}**: `{impl['spec']}` ({impl['adapter']}{kwargs}), "
+            f"{summary['run']} cases, {summary['failed']} failing")
+    if tests:
+        head += f"; {passed} of {len(tests)} property tests passed"
+    lines = [head + ("." if report["complete"] else
+                     ". **Incomplete**: the run stopped early; these are the cases that finished."),
+             ""]
+    findings = find(report)
+    sites = ", ".join(f"{site} ({n} cases, {bad} failing)"
+                      for site, (n, bad) in sorted(findings.sites.items()))
+    lines += [f"- **How close:** {findings.closeness()}.",
+              f"- **How consistent:** {findings.consistency()}.",
+              f"- **Random sites exercised:** {sites or 'none'}.", ""]
+    failures = report.get("minimal_failures") or _case_failures(report)
+    if failures:
+        lines += ["### Failures", ""]
+        for failure in failures[:MAX_FAILURES]:
+            flaky = " (flaky: passed on replay)" if failure.get("flaky") else ""
+            where = f"`{failure['property']}`" if failure.get("property") else "case"
+            lines += [f"**{where}**{flaky}: {failure['description']}", "",
+                      f"> {failure['message']}", "", "```sh", failure["reproduce"], "```", ""]
+        if len(failures) > MAX_FAILURES:
+            lines += [f"... and {len(failures) - MAX_FAILURES} more in report.json.", ""]
+    if tests:
+        lines += ["| property test | outcome |", "|---|---|"]
+        lines += [f"| {name} | {outcome} |" for name, outcome in tests.items()]
+        lines.append("")
+    lines += [_conditions(report["conditions"]), ""]
+    return lines
+
+
+def _case_failures(report: dict[str, Any]) -> list[dict[str, Any]]:
+    """Failures of a report without a property suite (a replayed case): one per case."""
+    return [{"property": None, "description": r["description"],
+             "message": r["first_failure"] or r["error"] or "failed",
+             "reproduce": r["reproduce"]}
+            for r in report["cases"] if r["verdict"] == "fail"]
+
+
+def _conditions(conditions: dict[str, Any]) -> str:
+    keys = ("torch", "device", "device_name", "threads", "deterministic_algorithms", "seed",
+            "profile", "examples_per_property", "python", "gradequiv")
+    return "Conditions: " + ", ".join(f"{k} {conditions[k]}" for k in keys if k in conditions)
+
+
+def _mutants(mutants: dict[str, Any]) -> list[str]:
+    s = mutants["summary"]
+    lines = ["### Deliberately broken implementations", "",
+             f"Mutation score **{s['killed']}/{s['valid']}**; correct implementations "
+             f"{'all pass' if s['correct_pass'] else '**FLAGGED**'}.", "",
+             "| role | implementation | result | caught by | cases |", "|---|---|---|---|---|"]
+    lines += [f"| {o['role']} | {o['name']} | {o['status']} | {o['caught_by'] or '-'} | "
+              f"{o['examples']} |" for o in mutants["outcomes"]]
+    return lines + [""]
+
+
+def _profile(profile: dict[str, Any]) -> list[str]:
+    c = profile["conditions"]
+    lines = ["### Memory and step time per granularity", "",
+             f"{profile['implementation']} on {c['shape']}; torch {c['torch']}, {c['device']}, "
+             f"{c['threads']} threads, {c['steps']} steps after {c['warmup']} warm-up.", "",
+             "| granularity | activation bytes | saved vs none | step p50 ms | p95 ms | "
+             "overhead vs none | frontier |", "|---|---|---|---|---|---|---|"]
+    lines += [f"| {r['granularity']} | {r['held_bytes']:,} | {r['memory_saved_vs_none']:.1%} | "
+              f"{r['step_s']['p50'] * 1e3:.1f} | {r['step_s']['p95'] * 1e3:.1f} | "
+              f"{r['overhead_vs_none']:+.1%} | {'yes' if r['on_frontier'] else ''} |"
+              for r in profile["rows"]]
+    return lines + [""]
