@@ -233,10 +233,11 @@ def _mutants(args: argparse.Namespace) -> int:
     import torch
 
     from gradequiv.harness import mutation
+    from gradequiv.harness.mutants import MUTANTS
     from gradequiv.harness.report import run_conditions
 
     device = _device(args.device, torch)
-    print(f"gradequiv mutants: {len(mutation.MUTANTS)} mutants, {len(mutation.CORRECT)} correct "
+    print(f"gradequiv mutants: {len(MUTANTS)} mutants, {len(mutation.CORRECT)} correct "
           f"implementations first; {args.examples} examples per property, seed {args.seed}, "
           f"{device}", flush=True)
     outcomes = mutation.run_all(seed=args.seed, examples=args.examples, device=device.type,

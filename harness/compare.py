@@ -107,7 +107,7 @@ def _reduce(pairs: list[tuple[Tensor, Tensor]]) -> list[PairMetrics]:
         flat_b.append(b.detach().reshape(-1).to(work))
         flat_a.append(a.detach().reshape(-1).to(b.device, work))
     diff = torch._foreach_sub(flat_a, flat_b)
-    sums = [
+    sums: list[Sequence[Tensor]] = [
         torch._foreach_norm(diff), torch._foreach_norm(flat_a), torch._foreach_norm(flat_b),
         torch._foreach_norm(diff, math.inf), torch._foreach_norm(diff, 0),
     ]

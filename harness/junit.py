@@ -24,8 +24,8 @@ def case_family(case: dict[str, Any]) -> str:
 
 def _size(case: dict[str, Any]) -> int:
     model, batch = case["model"], case["batch"]
-    return (model.get("n_layer", 1) * model.get("n_embd", model.get("width", 1))
-            * batch["batch_size"] * batch["seq_len"])
+    return int(model.get("n_layer", 1) * model.get("n_embd", model.get("width", 1))
+               * batch["batch_size"] * batch["seq_len"])
 
 
 def render_junit(report: dict[str, Any]) -> str:

@@ -136,7 +136,7 @@ class _RecomputeClock:
 
     def _now(self) -> Any:
         if self.device.type == "cuda":
-            event = torch.cuda.Event(enable_timing=True)
+            event = torch.cuda.Event(enable_timing=True)  # type: ignore[no-untyped-call]
             event.record()
             return event
         return time.perf_counter()
@@ -156,7 +156,7 @@ class _RecomputeClock:
 
     def take(self) -> float:
         """Seconds of recompute since the last call (after the step has synchronised)."""
-        seconds = self._cpu_s + sum(a.elapsed_time(b) for a, b in self._events) / 1e3
+        seconds = self._cpu_s + sum(float(a.elapsed_time(b)) for a, b in self._events) / 1e3
         self._cpu_s, self._events = 0.0, []
         return seconds
 
@@ -190,7 +190,7 @@ class _Runner:
         held = counter.held_bytes(ignore=[out, loss])
         seed = torch.ones_like(loss)
         with BackwardPeak(counter, ignore=[out, loss]) as peak:
-            loss.backward(seed)
+            loss.backward(seed)  # type: ignore[no-untyped-call]  # untyped in torch
         figures: dict[str, int | None] = {"held_bytes": held,
                                           "peak_backward_bytes": peak.peak_bytes}
         figures.update(allocator.after_backward())
@@ -207,7 +207,7 @@ class _Runner:
         middle = time.perf_counter()
         self.clock.in_backward = True
         try:
-            loss.backward()
+            loss.backward()  # type: ignore[no-untyped-call]  # untyped in torch
         finally:
             self.clock.in_backward = False
         self.optimizer.step()

@@ -13,7 +13,7 @@ import os
 import random
 import sys
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import pytest
 
@@ -50,7 +50,9 @@ def pytest_addoption(parser: pytest.Parser) -> None:
         group.addoption(f"--gradequiv-{name}", dest=_dest(name), default=None,
                         help=f"{help_text}; env GRADEQUIV_{name.upper().replace('-', '_')}, "
                              f"ini {_dest(name)}", **extra)
-        kind = {"append": "linelist", "store_true": "bool"}.get(extra.get("action", ""), "string")
+        action = extra.get("action", "")
+        kind: Literal["linelist", "bool", "string"] = (
+            "linelist" if action == "append" else "bool" if action == "store_true" else "string")
         parser.addini(_dest(name), help_text, type=kind)
 
 
@@ -222,11 +224,12 @@ def recompute_impl() -> Any:
 def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) -> Any:
     """Replay a suite test's minimal failure once, outside the cache: flaky or not."""
     report = yield
-    if call.when == "call" and report.failed and "recompute_impl" in getattr(item, "funcargs", {}):
+    funcargs: dict[str, Any] = getattr(item, "funcargs", {})
+    if call.when == "call" and report.failed and "recompute_impl" in funcargs:
         from gradequiv.properties.assertions import replay_passes
 
         for key, failure in report.user_properties:
-            if key == FAILURE_KEY and replay_passes(item.funcargs["recompute_impl"], failure):
+            if key == FAILURE_KEY and replay_passes(funcargs["recompute_impl"], failure):
                 failure["flaky"] = True
                 report.longrepr = f"FLAKY (passed on replay: nondeterministic)\n{report.longrepr}"
     return report
@@ -251,6 +254,8 @@ class _Gatherer:
             return
         self.collected = True  # under xdist the controller collects nothing itself
         for key, value in report.user_properties:
+            if not isinstance(value, dict):
+                continue
             if key == CASE_KEY:
                 self.records.setdefault(value["reproduce"], value)
             elif key == FAILURE_KEY and report.failed and report.when == "call":
