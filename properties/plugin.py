@@ -157,7 +157,8 @@ class _Progress:
         if self.quiet or not (first_failure or now - self.last >= due):
             return
         self.last = now
-        line = (f"gradequiv: {self.cases} cases verified, {self.failing} failing, "
+        cases = f"{self.cases} case{'s' if self.cases != 1 else ''}"
+        line = (f"gradequiv: {cases} verified, {self.failing} failing, "
                 f"{now - self.started:.0f} s; {'FAILED' if not verdict.passed else 'last'}: "
                 f"{verdict.case.describe()}")
         reporter = self.config.pluginmanager.getplugin("terminalreporter")

@@ -166,3 +166,16 @@ def test_the_report_is_readable_by_others(tmp_path: Path,
                                           capsys: pytest.CaptureFixture[str]) -> None:
     check(capsys, "--impl", "torch", *ONE, "--report-dir", str(tmp_path))
     assert (tmp_path / "report.json").stat().st_mode & 0o044 == 0o044
+
+
+def test_long_runs_print_progress_lines(monkeypatch: pytest.MonkeyPatch,
+                                        capsys: pytest.CaptureFixture[str]) -> None:
+    from gradequiv.properties import plugin
+
+    monkeypatch.setattr(plugin._Progress, "FIRST_S", 0.0)
+    monkeypatch.setattr(plugin._Progress, "EVERY_S", 0.0)
+    code, out, _ = check(capsys, "--impl", "wrong_impls:skewed_gradients", *ONE)
+    progress = [line for line in out.splitlines() if line.startswith("gradequiv: 1 case")]
+    assert code == 1 and progress
+    assert progress[0].startswith("gradequiv: 1 case verified, 1 failing, ")
+    assert "FAILED: 1L x" in progress[0]
