@@ -38,11 +38,11 @@ class ReportBundle:
 
     @property
     def verdict(self) -> str:
-        """fail if any part fails, or if the check report is incomplete."""
+        """fail if any part fails; incomplete if a part stopped early without failing."""
         parts = [p for p in (self.report, self.mutants) if p is not None]
         if any(p.get("verdict") != "pass" for p in parts):
             return "fail"
-        if self.report is not None and not self.report.get("complete", True):
+        if any(not p.get("complete", True) for p in parts):
             return "incomplete"
         return "pass"
 

@@ -240,12 +240,20 @@ def _mutants(args: argparse.Namespace) -> int:
     print(f"gradequiv mutants: {len(MUTANTS)} mutants, {len(mutation.CORRECT)} correct "
           f"implementations first; {args.examples} examples per property, seed {args.seed}, "
           f"{device}", flush=True)
+    conditions = run_conditions(device, args.seed)
+
+    def write_partial(outcomes: list[Any]) -> None:
+        if args.report_dir is not None:
+            mutation.write(args.report_dir, outcomes, mutation.score(outcomes), conditions,
+                           complete=False)
+
     outcomes = mutation.run_all(seed=args.seed, examples=args.examples, device=device.type,
-                                progress=lambda line: print(line, flush=True))
+                                progress=lambda line: print(line, flush=True),
+                                after_each=write_partial)
     summary = mutation.score(outcomes)
     print(mutation.markdown(outcomes, summary).splitlines()[0])
     if args.report_dir is not None:
-        mutation.write(args.report_dir, outcomes, summary, run_conditions(device, args.seed))
+        mutation.write(args.report_dir, outcomes, summary, conditions)
         print(f"report: {args.report_dir / 'mutants.json'}, {args.report_dir / 'mutants.md'}")
     return EXIT_PASS if summary["verdict"] == "pass" else EXIT_FAIL
 

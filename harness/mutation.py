@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from gradequiv.harness.mutants import MUTANTS
-from gradequiv.harness.report import write_json_atomic
+from gradequiv.harness.report import write_json_atomic, write_text_atomic
 
 #: Correct implementations the suite must pass: torch's two, and the mutants' base.
 CORRECT = {
@@ -68,8 +68,12 @@ def _first_failure(report: dict[str, Any]) -> tuple[str, int]:
 
 
 def run_all(*, seed: int = 0, examples: int = 20, device: str = "cpu",
-            progress: Any = print) -> list[Outcome]:
-    """Baseline first, then every mutant; one Outcome each."""
+            progress: Any = print, after_each: Any = None) -> list[Outcome]:
+    """Baseline first, then every mutant; one Outcome each.
+
+    ``after_each(outcomes)`` runs after every outcome (the command writes the
+    report there, so an interrupted run keeps what finished).
+    """
     outcomes = []
     for spec, models in CORRECT.items():
         started = time.perf_counter()
@@ -79,14 +83,14 @@ def run_all(*, seed: int = 0, examples: int = 20, device: str = "cpu",
         outcomes.append(Outcome(spec.rsplit(":", 1)[-1], spec, "correct", status, test,
                                 len(report.get("cases", [])), time.perf_counter() - started,
                                 ",".join(models)))
-        progress(_line(outcomes[-1]))
+        _report(outcomes, progress, after_each)
     for mutant in MUTANTS:
         spec = f"{MODULE}:{mutant.name.replace('-', '_')}"
         if mutant.cuda_only and device != "cuda":
             outcomes.append(Outcome(mutant.name, spec, "mutant", "skipped",
                                     "needs CUDA (the fault is in the CUDA generator)", 0, 0.0,
                                     ",".join(MUTANT_MODELS)))
-            progress(_line(outcomes[-1]))
+            _report(outcomes, progress, after_each)
             continue
         started = time.perf_counter()
         code, report = run_suite(spec, MUTANT_MODELS, seed=seed, examples=examples,
@@ -95,8 +99,14 @@ def run_all(*, seed: int = 0, examples: int = 20, device: str = "cpu",
         status = "caught" if code == 1 else "survived"
         outcomes.append(Outcome(mutant.name, spec, "mutant", status, test, count,
                                 time.perf_counter() - started, ",".join(MUTANT_MODELS)))
-        progress(_line(outcomes[-1]))
+        _report(outcomes, progress, after_each)
     return outcomes
+
+
+def _report(outcomes: list[Outcome], progress: Any, after_each: Any) -> None:
+    progress(_line(outcomes[-1]))
+    if after_each is not None:
+        after_each(outcomes)
 
 
 def _line(o: Outcome) -> str:
@@ -127,9 +137,10 @@ def markdown(outcomes: list[Outcome], summary: dict[str, Any]) -> str:
 
 
 def write(folder: Path, outcomes: list[Outcome], summary: dict[str, Any],
-          conditions: dict[str, Any]) -> None:
+          conditions: dict[str, Any], *, complete: bool = True) -> None:
     write_json_atomic(folder / "mutants.json", {
-        "schema_version": 1, "command": "mutants", "verdict": summary["verdict"],
+        "schema_version": 1, "command": "mutants",
+        "verdict": summary["verdict"], "complete": complete,
         "summary": summary, "conditions": conditions,
         "outcomes": [asdict(o) for o in outcomes]})
-    (folder / "mutants.md").write_text(markdown(outcomes, summary), encoding="utf-8")
+    write_text_atomic(folder / "mutants.md", markdown(outcomes, summary))

@@ -49,3 +49,31 @@ def test_the_mutants_command_catches_all_and_passes_the_correct(tmp_path: object
     roles = {o["name"]: o["status"] for o in report["outcomes"]}
     assert roles["torch"] == "passed" and roles["stale-recompute"] == "caught"
     assert "Mutation score" in (folder / "mutants.md").read_text()
+    assert report["complete"] is True
+
+
+def test_an_interrupted_mutants_run_keeps_what_finished(tmp_path: object,
+                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    """After the first outcome the run is interrupted: mutants.json holds it, incomplete."""
+    import json
+    from pathlib import Path
+
+    from gradequiv.harness import mutation
+    from gradequiv.harness.bundle import load_bundle
+    from gradequiv.harness.cli import main
+
+    seen: list[int] = []
+    real_write = mutation.write
+
+    def write_then_stop(folder: Path, outcomes: list, *args: object, **kwargs: object) -> None:
+        real_write(folder, outcomes, *args, **kwargs)  # type: ignore[arg-type]
+        seen.append(len(outcomes))
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(mutation, "write", write_then_stop)
+    folder = Path(str(tmp_path))
+    assert main(["mutants", "--examples", "2", "--report-dir", str(folder)]) == 130
+    report = json.loads((folder / "mutants.json").read_text())
+    assert seen == [1] and len(report["outcomes"]) == 1
+    assert report["complete"] is False
+    assert load_bundle(folder).verdict == "incomplete"  # torch passed, then the stop
