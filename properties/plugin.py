@@ -12,6 +12,7 @@ import importlib
 import os
 import random
 import sys
+import time
 from pathlib import Path
 from typing import Any, Literal
 
@@ -131,7 +132,7 @@ def pytest_configure(config: pytest.Config) -> None:
 
 
 class _Progress:
-    """Progress lines on long runs: cases verified, failing, time, the regime now running.
+    """Progress lines on long runs: cases verified, failing, seconds, the case just run.
 
     Plain lines (they must read well in a CI log, where nothing is a
     terminal), written past pytest's output capture: the first after a few
@@ -141,8 +142,6 @@ class _Progress:
     FIRST_S, EVERY_S = 5.0, 15.0
 
     def __init__(self, config: pytest.Config) -> None:
-        import time
-
         self.config, self.clock = config, time.monotonic
         self.started = self.last = self.clock()
         self.cases = self.failing = 0
