@@ -61,6 +61,13 @@ def _tolerance(text: str) -> float:
     return value
 
 
+def _shard(text: str) -> str:
+    index, sep, count = text.partition("/")
+    if not (sep and index.isdigit() and count.isdigit() and 1 <= int(index) <= int(count)):
+        raise argparse.ArgumentTypeError(f"{text!r} is not I/N with 1 <= I <= N (e.g. 2/4)")
+    return text
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="gradequiv", description=(
         "Prove that an activation-recompute implementation gives the same gradients as "
@@ -76,6 +83,9 @@ def build_parser() -> argparse.ArgumentParser:
                        help="keyword argument forwarded to the implementation (repeatable)")
     check.add_argument("--examples", type=_count, default=None, metavar="N",
                        help="examples Hypothesis draws per property (default: the profile's)")
+    check.add_argument("--shard", type=_shard, default=None, metavar="I/N",
+                       help="run shard I of N: its share of the examples (from its own seed) "
+                            "and of the named cases, for CI matrices")
     check.add_argument("--profile", choices=("ci", "dev", "thorough"), default="ci",
                        help="how hard to search: ci (20 examples per property, no example "
                             "database; the default), dev (50), thorough (400)")
@@ -181,12 +191,14 @@ def _check(args: argparse.Namespace) -> int:
                    f"--gradequiv-device={device.type}"]
     pytest_args += [f"--gradequiv-impl-kwarg={item}" for item in args.impl_kwarg]
     optional = {"adapter": args.adapter, "examples": args.examples, "case": args.case,
+                "shard": args.shard,
                 "report-dir": args.report_dir, "rtol": args.rtol, "atol": args.atol}
     pytest_args += [f"--gradequiv-{k}={v}" for k, v in optional.items() if v is not None]
     if os.environ.get("PYTEST_DISABLE_PLUGIN_AUTOLOAD"):
         pytest_args += ["-p", "gradequiv.properties.plugin"]
+    shard = f", shard {args.shard}" if args.shard else ""
     print(f"gradequiv check: {impl.spec} ({impl.adapter}) on {device}, torch "
-          f"{torch.__version__}, {torch.get_num_threads()} threads", flush=True)
+          f"{torch.__version__}, {torch.get_num_threads()} threads{shard}", flush=True)
     with _sigterm_as_interrupt():
         code = run_pytest(pytest_args)
     if code == 2:

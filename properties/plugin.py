@@ -36,6 +36,8 @@ _OPTIONS: list[tuple[str, str, dict[str, Any]]] = [
     ("atol", "explicit absolute-error bound (a tensor within it passes)", {}),
     ("models", "reference models to draw cases for, comma-separated: transformer, batchnorm "
                "(default transformer)", {}),
+    ("shard", "run shard I of N (e.g. 2/4): its share of the examples, drawn from its own "
+              "seed, and of the named cases; N machines together do one run's work", {}),
     ("no-shrink", "report the first failing example as found, without shrinking it",
      {"action": "store_true"}),
 ]
@@ -88,6 +90,18 @@ def _bound(name: str, text: Any) -> float:
     return value
 
 
+def _shard(text: str) -> tuple[int, int]:
+    index, sep, count = str(text).partition("/")
+    try:
+        shard = (int(index), int(count))
+    except ValueError:
+        shard = (0, 0)
+    if not sep or not 1 <= shard[0] <= shard[1]:
+        raise pytest.UsageError(f"--gradequiv-shard={text!r} is not I/N with 1 <= I <= N; "
+                                f"write e.g. --gradequiv-shard 2/4")
+    return shard
+
+
 def _choice(name: str, value: str, choices: tuple[str, ...]) -> str:
     if value not in choices:
         raise pytest.UsageError(
@@ -124,6 +138,7 @@ def pytest_configure(config: pytest.Config) -> None:
         _choice("models", model, ("transformer", "batchnorm"))
     options.models = models
     options.shrink = not _setting(config, "no-shrink")
+    options.shard = _shard(_setting(config, "shard") or "1/1")
     runtime.CACHE.clear()
     config.pluginmanager.register(_Gatherer(config), "gradequiv-gatherer")
     runtime.CACHE.on_verdict = None
@@ -200,8 +215,10 @@ def pytest_configure_node(node: Any) -> None:
 
 def pytest_report_header(config: pytest.Config) -> str:
     options = runtime.OPTIONS
+    shard = "" if options.shard == (1, 1) else f", shard {options.shard[0]}/{options.shard[1]}"
     return (f"gradequiv: Using --gradequiv-seed={options.seed} (profile {options.profile}, "
-            f"{options.max_examples} examples per property, impl {options.impl or 'unset'})")
+            f"{options.max_examples} examples per property{shard}, "
+            f"impl {options.impl or 'unset'})")
 
 
 @pytest.fixture(scope="session")
@@ -312,7 +329,8 @@ class _Gatherer:
                               conditions=run_conditions(device, options.seed),
                               records=records, complete=complete)
         report["conditions"].update(profile=options.profile,
-                                    examples_per_property=options.max_examples)
+                                    examples_per_property=options.max_examples,
+                                    shard=f"{options.shard[0]}/{options.shard[1]}")
         report["tests"] = dict(sorted(self.outcomes.items()))
         report["minimal_failures"] = self.failures
         if self.failures:

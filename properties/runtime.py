@@ -42,10 +42,25 @@ class RunOptions:
     atol: float | None = None
     models: tuple[str, ...] = ("transformer",)  # reference models the cases are drawn for
     shrink: bool = True  # False: stop at the first failing example (mutant runs)
+    shard: tuple[int, int] = (1, 1)  # (i, n): this run is shard i of n, 1-based
 
     @property
     def max_examples(self) -> int:
-        return self.examples if self.examples is not None else PROFILE_EXAMPLES[self.profile]
+        """Examples per property test for this shard: its share of the run's count."""
+        total = self.examples if self.examples is not None else PROFILE_EXAMPLES[self.profile]
+        return -(-total // self.shard[1])
+
+    @property
+    def draw_seed(self) -> int:
+        """The seed Hypothesis draws with: the run's seed, moved apart for each shard
+        so that shards draw different cases."""
+        index, count = self.shard
+        return self.seed if count == 1 else self.seed + 1_000_003 * (index - 1)
+
+    def in_shard(self, position: int) -> bool:
+        """Whether the named case at ``position`` of the fixed spread runs on this shard."""
+        index, count = self.shard
+        return position % count == index - 1
 
 
 OPTIONS = RunOptions()

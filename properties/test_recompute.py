@@ -46,7 +46,7 @@ def _suite(test: Callable[..., None]) -> Callable[..., None]:
         suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture,
                                HealthCheck.data_too_large],
     )
-    return profile(seed(OPTIONS.seed)(given(case=_drawn_cases())(test)))
+    return profile(seed(OPTIONS.draw_seed)(given(case=_drawn_cases())(test)))
 
 
 @_suite
@@ -81,7 +81,8 @@ def test_recompute(recompute_impl: Implementation, case: Case, request: Any) -> 
 
 if OPTIONS.case is None:  # replaying one case runs the six properties on it alone
 
-    @pytest.mark.parametrize("name", [c.name for c in default_cases()])
+    @pytest.mark.parametrize(
+        "name", [c.name for i, c in enumerate(default_cases()) if OPTIONS.in_shard(i)])
     def test_named_case(recompute_impl: Implementation, name: str, request: Any) -> None:
         """The fixed spread: every property on each named case."""
         case = find_case(name).with_seed_offset(OPTIONS.seed)

@@ -125,6 +125,8 @@ def test_an_interrupted_run_leaves_a_valid_report_marked_incomplete(
     (["--impl", "torch", "--case", "{not json"], "is not valid JSON"),
     (["--impl", "torch", "--case", "/nonexistent/case.json"], "could not be read"),
     (["--impl", "torch", "--rtol", "-1"], "must be a finite number >= 0"),
+    (["--impl", "torch", "--shard", "3/2"], "'3/2' is not I/N with 1 <= I <= N"),
+    (["--impl", "torch", "--shard", "1"], "'1' is not I/N"),
     ([], "the following arguments are required: --impl"),
 ])
 def test_bad_input_is_exit_2_and_one_line(args: list[str], message: str,
@@ -179,3 +181,24 @@ def test_long_runs_print_progress_lines(monkeypatch: pytest.MonkeyPatch,
     assert code == 1 and progress
     assert progress[0].startswith("gradequiv: 1 case verified, 1 failing, ")
     assert "FAILED: 1L x" in progress[0]
+
+
+def test_shards_split_the_named_cases_and_draw_different_cases(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    names, drawn = [], []
+    for index in (1, 2):
+        folder = tmp_path / f"shard{index}"
+        code, out, _ = check(capsys, "--impl", "torch", "--examples", "6",
+                             "--shard", f"{index}/2", "--report-dir", str(folder))
+        report = read_report(folder)
+        assert code == 0 and report["conditions"]["shard"] == f"{index}/2"
+        assert f"shard {index}/2" in out and report["conditions"]["examples_per_property"] == 3
+        tests = report["tests"]
+        names.append({t for t in tests if t.startswith("test_named_case")})
+        drawn.append({json.dumps(c["case"], sort_keys=True) for c in report["cases"]
+                      if not c["name"]})  # drawn cases have no name
+    from gradequiv.harness import default_cases
+
+    assert not names[0] & names[1]
+    assert len(names[0] | names[1]) == len(default_cases())
+    assert drawn[0] != drawn[1]
