@@ -90,6 +90,33 @@ def _bound(name: str, text: Any) -> float:
     return value
 
 
+def gpu_for_worker(worker: str, visible: list[str]) -> str | None:
+    """The GPU xdist worker ``gwK`` should see: the K-th visible one, round robin."""
+    index = worker.removeprefix("gw")
+    if not visible or not index.isdigit():
+        return None
+    return visible[int(index) % len(visible)]
+
+
+def _pin_worker_gpu(worker: str) -> None:
+    """One GPU per xdist worker, chosen before CUDA starts in this worker process.
+
+    The visible GPUs are CUDA_VISIBLE_DEVICES when set, else NVML's count (which
+    does not start CUDA); a machine without GPUs is left alone.
+    """
+    listed = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if listed is not None:
+        visible = [d.strip() for d in listed.split(",") if d.strip()]
+    else:
+        import torch
+
+        count_nvml = getattr(torch.cuda, "_device_count_nvml", lambda: -1)
+        visible = [str(i) for i in range(max(count_nvml(), 0))]
+    gpu = gpu_for_worker(worker, visible)
+    if gpu is not None:
+        os.environ["CUDA_VISIBLE_DEVICES"] = gpu
+
+
 def _shard(text: str) -> tuple[int, int]:
     index, sep, count = str(text).partition("/")
     try:
@@ -139,6 +166,9 @@ def pytest_configure(config: pytest.Config) -> None:
     options.models = models
     options.shrink = not _setting(config, "no-shrink")
     options.shard = _shard(_setting(config, "shard") or "1/1")
+    worker = getattr(config, "workerinput", {}).get("workerid")
+    if worker and options.impl and options.device != "cpu":
+        _pin_worker_gpu(worker)
     runtime.CACHE.clear()
     config.pluginmanager.register(_Gatherer(config), "gradequiv-gatherer")
     runtime.CACHE.on_verdict = None

@@ -149,3 +149,31 @@ def test_a_failure_that_does_not_come_back_on_replay_is_called_flaky(
     result.stdout.fnmatch_lines(["*FLAKY (passed on replay: nondeterministic)*",
                                  "test_gradients [[]flaky[]]: *"])
     assert report_of(tmp_path)["failure"]["flaky"] is True
+
+
+def test_each_xdist_worker_gets_its_own_gpu_round_robin() -> None:
+    from gradequiv.properties.plugin import gpu_for_worker
+
+    visible = ["5", "7"]
+    assert [gpu_for_worker(f"gw{k}", visible) for k in range(5)] == ["5", "7", "5", "7", "5"]
+    assert gpu_for_worker("gw0", []) is None and gpu_for_worker("master", visible) is None
+
+
+def test_xdist_workers_see_one_gpu_each(pytester: pytest.Pytester, tmp_path: Path,
+                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The worker pins CUDA_VISIBLE_DEVICES at configure time, before any test runs."""
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "5,7")
+    monkeypatch.setenv("SEEN_DIR", str(tmp_path))
+    pytester.makepyfile(test_seen="""
+        import os
+        from pathlib import Path
+
+        def test_record(worker_id):
+            seen = Path(os.environ["SEEN_DIR"]) / worker_id
+            seen.write_text(os.environ["CUDA_VISIBLE_DEVICES"])
+    """)
+    result = pytester.runpytest_subprocess("-n", "2", "-p", "no:cacheprovider",
+                                           "--gradequiv-impl=torch", "--dist=each")
+    result.assert_outcomes(passed=2)
+    seen = {p.name: p.read_text() for p in tmp_path.iterdir()}
+    assert seen == {"gw0": "5", "gw1": "7"}
