@@ -130,6 +130,17 @@ def build_parser() -> argparse.ArgumentParser:
     prof.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
     prof.add_argument("--report-dir", type=Path, default=None, metavar="DIR",
                       help="write DIR/profile.json, profile.md and profile.png")
+    dist = commands.add_parser(
+        "distributed", help="DDP / FSDP training with and without recompute on N CPU ranks")
+    dist.add_argument("--impl", required=True, metavar="SPEC")
+    dist.add_argument("--adapter", choices=("function", "wrapper", "toggle"), default=None)
+    dist.add_argument("--impl-kwarg", action="append", default=[], metavar="KEY=VALUE")
+    dist.add_argument("--wrapper", choices=("ddp", "fsdp", "both"), default="both")
+    dist.add_argument("--world-size", type=_count, default=2, metavar="N")
+    dist.add_argument("--case", default="4L-group2-dropout-untied", metavar="NAME|JSON|FILE",
+                      help="the case to train (default %(default)s)")
+    dist.add_argument("--timeout", type=_tolerance, default=300.0, metavar="SECONDS",
+                      help="kill the ranks after this long (default %(default)s)")
     report = commands.add_parser(
         "report", help="render a report folder as Markdown, HTML or JUnit XML")
     report.add_argument("folder", type=Path, metavar="DIR",
@@ -154,7 +165,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         args = build_parser().parse_args(argv)
         commands = {"check": _check, "mutants": _mutants, "profile": _profile,
-                    "report": _report}
+                    "distributed": _distributed, "report": _report}
         return commands[args.command](args)
     except _UsageError as exc:
         print(f"gradequiv: error: {exc}", file=sys.stderr)
@@ -314,6 +325,35 @@ def _profile(args: argparse.Namespace) -> int:
         print(f"report: {args.report_dir / 'profile.json'}" + (f" (no plot: {missing})"
                                                               if missing else ""))
     return EXIT_PASS
+
+
+def _distributed(args: argparse.Namespace) -> int:
+    from gradequiv.harness.adapters import parse_impl_kwargs, resolve
+    from gradequiv.harness.distributed import WRAPPERS, verify_distributed
+    from gradequiv.harness.spread import load_case
+    from gradequiv.models import InvalidArgument
+
+    wrappers = list(WRAPPERS) if args.wrapper == "both" else [args.wrapper]
+    failed = False
+    try:
+        impl = resolve(args.impl, adapter=args.adapter, kwargs=parse_impl_kwargs(args.impl_kwarg))
+        case = load_case(args.case)
+        for wrapper in wrappers:
+            print(f"gradequiv distributed: {impl.spec} under {wrapper}, {args.world_size} ranks "
+                  f"(gloo), {case.describe()}", flush=True)
+            verdict = verify_distributed(impl, case, wrapper=wrapper,
+                                         world_size=args.world_size, timeout_s=args.timeout)
+            if verdict.passed:
+                print(f"  pass: {verdict.compared} tensors equal on every rank "
+                      f"({verdict.seconds:.1f} s)")
+            else:
+                failed = True
+                print(f"  FAIL: {verdict.first_failure}")
+                for line in verdict.failures[1:5]:
+                    print(f"        {line}")
+    except InvalidArgument as exc:
+        raise _UsageError(str(exc)) from exc
+    return EXIT_FAIL if failed else EXIT_PASS
 
 
 def _report(args: argparse.Namespace) -> int:

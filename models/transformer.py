@@ -166,7 +166,8 @@ class Block(nn.Module):
         self.norm_2 = make_norm(config)
         self.mlp = MLP(config)
         self.drop_path = DropPath(config.drop_path)
-        self.x0_gate = nn.Parameter(torch.tensor(0.1))  # how much of the embedding is mixed back in
+        # How much of the embedding is mixed back in; 1-D, as FSDP shards no 0-dim parameter.
+        self.x0_gate = nn.Parameter(torch.full((1,), 0.1))
 
     def forward(
         self,

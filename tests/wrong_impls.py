@@ -165,3 +165,11 @@ def sleepy(fn: Any, *args: Any, **kwargs: Any) -> Any:
     if marker and Path(marker).exists():
         time.sleep(0.5)
     return _checkpoint(fn, *args, **kwargs)
+
+
+def hangs(fn: Any, *args: Any, **kwargs: Any) -> Any:
+    """Never returns: a stand-in for a collective that never completes."""
+    import time
+
+    time.sleep(3600)
+    return fn(*args, **kwargs)

@@ -1,0 +1,207 @@
+"""Recompute under data parallelism: DDP or FSDP training with and without it, world size N.
+
+Recompute is used together with DDP and sharded data parallelism, and the
+combination has its own ways to go wrong: a reentrant checkpoint re-runs a
+segment whose parameters DDP has already marked ready, FSDP must gather
+sharded weights again for the recompute, and each rank draws its own dropout
+masks. So the same case is trained twice in the same process group, full
+storage then recompute, and every rank's losses, the reduced gradients and
+the final weights must match.
+
+Ranks are started with torch's own launcher (multiprocessing spawn), talk
+over gloo on the CPU (NCCL on GPUs), rendezvous through a file, and are
+killed when the run exceeds its time limit, so a hang in a collective ends
+as a failed verdict, not a stuck CI job.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+import time
+import traceback
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+from torch.multiprocessing.spawn import (
+    ProcessExitedException,
+    ProcessRaisedException,
+    start_processes,
+)
+
+from gradequiv.harness.adapters import Implementation
+from gradequiv.harness.case import Case
+from gradequiv.harness.compare import Tolerance, measure_pairs
+from gradequiv.models import InvalidArgument, build
+
+__all__ = ["WRAPPERS", "DistributedVerdict", "verify_distributed"]
+
+WRAPPERS = ("ddp", "fsdp")
+
+
+@dataclass
+class DistributedVerdict:
+    wrapper: str
+    world_size: int
+    passed: bool = False
+    failures: list[str] = field(default_factory=list)  # one line per mismatched tensor
+    compared: int = 0  # tensors compared, over all ranks and steps
+    error: str | None = None  # a rank's traceback, or the timeout
+    seconds: float = 0.0
+
+    @property
+    def first_failure(self) -> str:
+        return self.error.strip().splitlines()[-1] if self.error else (
+            self.failures[0] if self.failures else "")
+
+
+def verify_distributed(
+    impl: Implementation,
+    case: Case,
+    *,
+    wrapper: str = "ddp",
+    world_size: int = 2,
+    timeout_s: float = 300.0,
+) -> DistributedVerdict:
+    """Train ``case`` under ``wrapper`` on ``world_size`` CPU ranks, full storage then
+    recompute through ``impl``, and compare what every rank saw."""
+    if wrapper not in WRAPPERS:
+        raise InvalidArgument(f"wrapper={wrapper!r} is not one of {', '.join(WRAPPERS)}")
+    if world_size < 2:
+        raise InvalidArgument(f"world_size={world_size}: data parallelism needs at least 2")
+    if case.batch.batch_size < world_size:
+        raise InvalidArgument(
+            f"batch_size={case.batch.batch_size} < world_size={world_size}: every rank needs "
+            f"a sample; raise batch_size in the case")
+    if case.model_kind != "transformer":
+        raise InvalidArgument(f"model_kind={case.model_kind!r}: the distributed property runs "
+                              f"the transformer")
+    verdict = DistributedVerdict(wrapper, world_size)
+    started = time.perf_counter()
+    with tempfile.TemporaryDirectory(prefix="gradequiv-dist-") as folder:
+        out = Path(folder)
+        spec = (impl.spec, impl.adapter, impl.kwargs)
+        context = start_processes(  # type: ignore[no-untyped-call]  # untyped in torch
+            _rank_main, args=(world_size, spec, case.to_json(), wrapper, str(out)),
+            nprocs=world_size, join=False, start_method="spawn")
+        deadline = time.monotonic() + timeout_s
+        try:
+            while not context.join(timeout=0.5):
+                if time.monotonic() > deadline:
+                    verdict.error = (f"the ranks did not finish within {timeout_s:.0f} s "
+                                     f"(a collective that never completes?)")
+                    break
+        except ProcessRaisedException as exc:  # pragma: no cover - ranks catch their own
+            verdict.error = str(exc)
+        except ProcessExitedException as exc:
+            verdict.error = f"a rank died: {exc}"
+        finally:
+            for process in context.processes:
+                if process.is_alive():
+                    process.kill()
+                    process.join()
+        errors = sorted(out.glob("rank*.err"))
+        if verdict.error is None and errors:
+            verdict.error = "\n".join(f"{e.stem}: {e.read_text()}" for e in errors)
+        if verdict.error is None:
+            results = [torch.load(out / f"rank{r}.pt") for r in range(world_size)]
+            _compare(results, case, verdict)
+    verdict.seconds = time.perf_counter() - started
+    verdict.passed = verdict.error is None and not verdict.failures and verdict.compared > 0
+    return verdict
+
+
+def _compare(results: list[dict[str, dict[str, Tensor]]], case: Case,
+             verdict: DistributedVerdict) -> None:
+    tolerance = Tolerance(case.dtype)
+    names, pairs = [], []
+    for rank, result in enumerate(results):
+        full, recompute = result["full"], result["recompute"]
+        for name in (n for n in full if n in recompute):
+            names.append(f"rank {rank}: {name}")
+            pairs.append((recompute[name], full[name]))
+        missing = sorted(set(full) ^ set(recompute))
+        verdict.failures += [f"rank {rank}: {n} exists on one path only" for n in missing]
+    for name, (_, reference), metrics in zip(names, pairs, measure_pairs(pairs)):
+        bound = tolerance.bound(0.0, reference.dtype)
+        if not tolerance.passes(metrics, bound):
+            verdict.failures.append(
+                f"{name}: relative error {metrics.rel_error:.3g} > bound {bound:.3g}; "
+                f"{metrics.mismatched} of {metrics.numel} elements differ")
+    verdict.compared = len(pairs)
+
+
+def _rank_main(rank: int, world_size: int, spec: tuple[str, str, dict[str, Any]],
+               case_json: str, wrapper: str, folder: str) -> None:
+    """One rank: both paths in one process group; results or a traceback to ``folder``."""
+    out = Path(folder)
+    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")  # one machine: loopback, not a NIC
+    try:
+        dist.init_process_group("gloo", init_method=f"file://{out / 'rendezvous'}",
+                                rank=rank, world_size=world_size)
+        from gradequiv.harness.adapters import resolve
+
+        impl = resolve(spec[0], adapter=spec[1], kwargs=spec[2])
+        case = Case.from_json(case_json)
+        results = {"full": _train(case, None, wrapper, rank, world_size),
+                   "recompute": _train(case, impl, wrapper, rank, world_size)}
+        torch.save(results, out / f"rank{rank}.pt")
+    except Exception:
+        (out / f"rank{rank}.err").write_text(traceback.format_exc())
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def _train(case: Case, impl: Implementation | None, wrapper: str, rank: int,
+           world_size: int) -> dict[str, Tensor]:
+    """``case.steps`` SGD steps on this rank's share of the fixed batch; what it saw."""
+    device = torch.device("cpu")
+    workload = build(case.model, case.batch, case.seed, device)  # same weights on every rank
+    model = workload.model
+    segments = workload.segments(case.granularity)
+    if impl is not None:
+        impl.install(model, segments)
+    else:
+        model.router.install(segments, None)
+    inputs = tuple(t[rank::world_size] if t is not None else None for t in workload.inputs)
+    targets = workload.targets[rank::world_size]
+    wrapped: Any
+    if wrapper == "ddp":
+        from torch.nn.parallel import DistributedDataParallel
+
+        wrapped = DistributedDataParallel(model)
+    else:
+        from torch.distributed.fsdp import fully_shard
+
+        for block in model.get_submodule("blocks").children():
+            fully_shard(block)
+        wrapped = fully_shard(model)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    torch.manual_seed(case.seed + 1 + rank)  # each rank draws its own dropout masks
+    seen: dict[str, Tensor] = {}
+    model.train()
+    for step in range(1, case.steps + 1):
+        optimizer.zero_grad(set_to_none=True)
+        with case.autocast(device):
+            loss = workload.loss_fn(wrapped(*inputs), targets)
+        loss.backward()  # type: ignore[no-untyped-call]  # untyped in torch
+        seen[f"step {step} loss"] = loss.detach().clone()
+        for name, param in model.named_parameters():
+            if param.grad is not None:
+                seen[f"step {step} grad of {name}"] = _full(param.grad)
+        optimizer.step()
+    for name, param in model.named_parameters():
+        seen[f"weight {name}"] = _full(param.detach())
+    return seen
+
+
+def _full(t: Tensor) -> Tensor:
+    """The whole tensor on this rank (FSDP keeps shards: gather them)."""
+    full = t.full_tensor() if hasattr(t, "full_tensor") else t
+    return full.detach().clone()
+
