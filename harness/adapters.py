@@ -19,12 +19,13 @@ import sys
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from importlib.metadata import entry_points
-from typing import Any
+from typing import Any, cast
 
 from torch import nn
 
 from gradequiv.harness import peers
 from gradequiv.models import InvalidArgument, Segment
+from gradequiv.models.segments import Router
 
 ADAPTERS = ("function", "wrapper", "toggle")
 ENTRY_POINT_GROUP = "gradequiv.implementations"
@@ -83,7 +84,7 @@ class Implementation:
 
     def install(self, model: nn.Module, segments: list[Segment]) -> None:
         """Route the selected ``segments`` of ``model`` through this implementation."""
-        router = model.router  # type: ignore[attr-defined]
+        router = cast(Router, getattr(model, "router"))  # noqa: B009  # set by attach_router
         router.install(segments, None)
         if not segments:
             return
@@ -162,6 +163,7 @@ def resolve(
         )
     if spec in BUILTINS:
         target, default_adapter = BUILTINS[spec]
+        peers.require(spec, kwargs)  # a missing library or bad option: exit 2 before any case
         return Implementation(spec, target, adapter or default_adapter, dict(kwargs or {}))
     target = _from_entry_point(spec)
     if target is None:
@@ -171,7 +173,7 @@ def resolve(
             f"--impl={spec!r} resolved to {type(target).__name__} {target!r}, which is not "
             f"callable; point at a function or class"
         )
-    chosen = adapter or getattr(target, "gradequiv_adapter", "function")
+    chosen = str(adapter or getattr(target, "gradequiv_adapter", "function"))
     return Implementation(spec, target, chosen, dict(kwargs or {}))
 
 

@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from gradequiv.harness import Verdict, find_case, peers, resolve, verify
+from gradequiv.harness.adapters import BUILTINS
 from gradequiv.models import InvalidArgument
 
 
@@ -37,7 +38,7 @@ def bitwise_pass(verdict: Verdict) -> bool:
     ("deepspeed", "function"), ("deepspeed-nonreentrant", "function"), ("megatron", "function"),
 ])
 def test_each_library_is_a_builtin_with_its_adapter(spec: str, adapter: str) -> None:
-    assert resolve(spec).adapter == adapter
+    assert BUILTINS[spec][1] == adapter
 
 
 def test_torch_sac_is_bitwise_equal_and_its_policy_changes_what_is_held() -> None:
@@ -113,6 +114,23 @@ def test_a_missing_library_names_its_extra(spec: str, monkeypatch: pytest.Monkey
     with pytest.raises(InvalidArgument, match=rf"--impl='{spec}' needs .*"
                                               rf"pip install 'gradequiv\[{extra}\]'"):
         peers.require(spec)
-    target = resolve(spec).target
+    with pytest.raises(InvalidArgument, match=rf"gradequiv\[{extra}\]"):
+        resolve(spec)  # at resolution: exit 2 before any case runs
+    target = BUILTINS[spec][0]
     with pytest.raises(InvalidArgument, match=rf"gradequiv\[{extra}\]"):
         target(torch.nn.Identity()) if spec == "fairscale" else target(torch.sin, torch.ones(1))
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--impl", "torch-sac", "--impl-kwarg", "policy=matmul"], "policy='matmul' is not one of"),
+    (["--impl", "megatron"], "megatron"),
+])
+def test_an_implementation_that_cannot_run_here_is_exit_2(
+        args: list[str], message: str, capsys: pytest.CaptureFixture[str]) -> None:
+    if "megatron" in args and torch.cuda.is_available():
+        pytest.skip("megatron runs on this machine")
+    from gradequiv.harness.cli import main
+
+    assert main(["check", *args]) == 2
+    err = capsys.readouterr().err
+    assert message in err and err.count("\n") == 1
