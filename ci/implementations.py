@@ -30,7 +30,7 @@ from typing import Any
 import torch
 
 from gradequiv.harness import find_case, resolve, verify
-from gradequiv.harness.peers import EXTRAS, require
+from gradequiv.harness.peers import EXTRAS
 from gradequiv.models import InvalidArgument
 
 DOC = Path(__file__).resolve().parent.parent / "docs" / "implementations.md"
@@ -167,13 +167,12 @@ def run_rows(spec: str) -> list[Row]:
     """Every regime of one implementation; a library that cannot run gives one 'not run' row."""
     rows = []
     for label, name, kwargs in COMMON + OPTIONS.get(spec, []):
-        impl = resolve(spec, kwargs=kwargs)
-        command = shlex.join(["gradequiv", "check", *impl.command_args(), "--device", "cpu",
-                              "--case", name])
         try:
-            require(spec, kwargs)
+            impl = resolve(spec, kwargs=kwargs)  # checks the library and options here
         except InvalidArgument as exc:
             return [Row(spec, "every regime", "not run", str(exc), "", "", "")]
+        command = shlex.join(["gradequiv", "check", *impl.command_args(), "--device", "cpu",
+                              "--case", name])
         verdict = verify(impl, find_case(name))
         failed = [p.name for p in verdict.properties if p.passed is False]
         if verdict.error is not None:
