@@ -78,21 +78,32 @@ def main() -> int:
           "it, the seed's 'one layer being recomputed' (its 42/320 is this column's "
           "model); gradients are left out.\n")
     print("## Time (p50 ms)\n")
-    print("| layers | full: forward | full: backward | recompute: forward | recompute: "
-          "backward | of which recompute | recompute / full forward | step overhead "
-          "measured | if recompute were the only cost | seed's 3F->4F |")
-    print("|---|---|---|---|---|---|---|---|---|---|")
+    print("| layers | full: forward | full: backward | full: backward / forward | recompute: "
+          "forward | recompute: backward | of which recompute | recompute / full forward | "
+          "step overhead measured | if recompute were the only cost | seed's 3F->4F |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
     for n_layer, none, layer in rows:
         full_step = none.forward_s + none.backward_s
         print(f"| {n_layer} | {none.forward_s * 1e3:.1f} | {none.backward_s * 1e3:.1f} | "
+              f"{none.backward_s / none.forward_s:.2f} | "
               f"{layer.forward_s * 1e3:.1f} | {layer.backward_s * 1e3:.1f} | "
               f"{layer.recompute_s * 1e3:.1f} | {layer.recompute_s / none.forward_s:.2f} | "
               f"{layer.overhead_vs_none:+.1%} | {layer.recompute_s / full_step:+.1%} | +33% |")
+    _, none, layer = rows[-1]
+    extra_forward = layer.forward_s - none.forward_s
+    extra_backward = layer.backward_s - layer.recompute_s - none.backward_s
     print("\nBackward includes the optimizer step. 'Of which recompute' is the time spent "
           "inside the layers' forwards while backward runs (forward hooks on the "
           "checkpointed layers, `gradequiv.harness.profile`); 'if recompute were the "
-          "only cost' adds just that to the full-storage step. The rest of the measured "
-          "overhead is the checkpoint's own bookkeeping in forward and backward.")
+          "only cost' adds just that to the full-storage step.\n")
+    share = layer.recompute_s / (none.forward_s + none.backward_s)
+    print(f"Why the overhead is not the seed's +33%: its model prices backward at two "
+          f"forwards (step 3F, recompute +1F). Here, on a 2-core CPU with small matrices, "
+          f"backward (with the optimizer step) costs {none.backward_s / none.forward_s:.2f} "
+          f"of a forward at {LAYERS[-1]} layers, so the recompute alone adds {share:+.0%} "
+          f"to a step. The rest is the checkpoint's own work: "
+          f"{extra_forward * 1e3:+.1f} ms in forward and {extra_backward * 1e3:+.1f} ms in "
+          f"backward outside the recompute.")
     return 0
 
 
