@@ -83,6 +83,9 @@ def build_parser() -> argparse.ArgumentParser:
                        help="keyword argument forwarded to the implementation (repeatable)")
     check.add_argument("--examples", type=_count, default=None, metavar="N",
                        help="examples Hypothesis draws per property (default: the profile's)")
+    check.add_argument("--deterministic", action="store_true",
+                       help="torch.use_deterministic_algorithms(True) for the run; the report "
+                            "records it and the noise floor it leaves")
     check.add_argument("--shard", type=_shard, default=None, metavar="I/N",
                        help="run shard I of N: its share of the examples (from its own seed) "
                             "and of the named cases, for CI matrices")
@@ -205,6 +208,8 @@ def _check(args: argparse.Namespace) -> int:
                 "shard": args.shard,
                 "report-dir": args.report_dir, "rtol": args.rtol, "atol": args.atol}
     pytest_args += [f"--gradequiv-{k}={v}" for k, v in optional.items() if v is not None]
+    if args.deterministic:
+        pytest_args.append("--gradequiv-deterministic")
     if os.environ.get("PYTEST_DISABLE_PLUGIN_AUTOLOAD"):
         pytest_args += ["-p", "gradequiv.properties.plugin"]
     shard = f", shard {args.shard}" if args.shard else ""

@@ -43,7 +43,7 @@ def _check(report: dict[str, Any]) -> list[str]:
                       for site, (n, bad) in sorted(findings.sites.items()))
     lines += [f"- **How close:** {findings.closeness()}.",
               f"- **How consistent:** {findings.consistency()}.",
-              f"- **Random sites exercised:** {sites or 'none'}.", ""]
+              f"- **Random sites exercised:** {sites or 'none'}.", *_floor(report), ""]
     failures = report.get("minimal_failures") or _case_failures(report)
     if failures:
         lines += ["### Failures", ""]
@@ -60,6 +60,15 @@ def _check(report: dict[str, Any]) -> list[str]:
         lines.append("")
     lines += [_conditions(report["conditions"]), ""]
     return lines
+
+
+def _floor(report: dict[str, Any]) -> list[str]:
+    floor = report.get("statistics", {}).get("max_noise_floor")
+    if floor is None:
+        return []
+    switch = "on" if report["conditions"].get("deterministic_algorithms") else "off"
+    return [f"- **Noise floor:** the two full-storage runs differ by at most {floor:.3g} "
+            f"(relative; deterministic algorithms {switch})."]
 
 
 def _case_failures(report: dict[str, Any]) -> list[dict[str, Any]]:

@@ -38,6 +38,9 @@ _OPTIONS: list[tuple[str, str, dict[str, Any]]] = [
                "(default transformer)", {}),
     ("shard", "run shard I of N (e.g. 2/4): its share of the examples, drawn from its own "
               "seed, and of the named cases; N machines together do one run's work", {}),
+    ("deterministic", "run with torch.use_deterministic_algorithms(True): on CUDA the "
+                      "noise floor (statistics.max_noise_floor) should then be zero",
+     {"action": "store_true"}),
     ("no-shrink", "report the first failing example as found, without shrinking it",
      {"action": "store_true"}),
 ]
@@ -88,6 +91,18 @@ def _bound(name: str, text: Any) -> float:
     if not 0 <= value < float("inf"):
         raise pytest.UsageError(f"--gradequiv-{name}={value}: must be a finite number >= 0")
     return value
+
+
+_DETERMINISTIC_BEFORE = pytest.StashKey[bool]()
+
+
+def pytest_unconfigure(config: pytest.Config) -> None:
+    """Leave torch's deterministic-algorithms switch as the run found it (check runs in-process)."""
+    before = config.stash.get(_DETERMINISTIC_BEFORE, None)
+    if before is not None:
+        import torch
+
+        torch.use_deterministic_algorithms(before)
 
 
 def gpu_for_worker(worker: str, visible: list[str]) -> str | None:
@@ -166,6 +181,13 @@ def pytest_configure(config: pytest.Config) -> None:
     options.models = models
     options.shrink = not _setting(config, "no-shrink")
     options.shard = _shard(_setting(config, "shard") or "1/1")
+    if _setting(config, "deterministic"):
+        import torch
+
+        config.stash[_DETERMINISTIC_BEFORE] = torch.are_deterministic_algorithms_enabled()
+        torch.use_deterministic_algorithms(True)
+        # cuBLAS needs a fixed workspace to be deterministic; set it before CUDA starts.
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
     worker = getattr(config, "workerinput", {}).get("workerid")
     if worker and options.impl and options.device != "cpu":
         _pin_worker_gpu(worker)
@@ -380,9 +402,10 @@ class _Gatherer:
 
 
 def _statistics(records: list[dict[str, Any]]) -> dict[str, Any]:
-    """How many cases of each regime ran, and the worst relative error seen."""
+    """How many cases of each regime ran, the worst relative error seen, and the noisiest
+    floor (the two full-storage runs' own disagreement: zero where kernels are deterministic)."""
     regimes: dict[str, int] = {}
-    worst = 0.0
+    worst = floor = 0.0
     for record in records:
         case = record["case"]
         for key in (f"dtype {case['dtype']}", f"granularity {case['granularity']}"):
@@ -391,4 +414,7 @@ def _statistics(records: list[dict[str, Any]]) -> dict[str, Any]:
             for check in prop["checks"]:
                 if isinstance(check["rel_error"], float):
                     worst = max(worst, check["rel_error"])
-    return {"cases_per_regime": dict(sorted(regimes.items())), "worst_relative_error": worst}
+                if isinstance(check["floor"], float):
+                    floor = max(floor, check["floor"])
+    return {"cases_per_regime": dict(sorted(regimes.items())), "worst_relative_error": worst,
+            "max_noise_floor": floor}

@@ -202,3 +202,16 @@ def test_shards_split_the_named_cases_and_draw_different_cases(
     assert not names[0] & names[1]
     assert len(names[0] | names[1]) == len(default_cases())
     assert drawn[0] != drawn[1]
+
+
+def test_deterministic_runs_record_it_and_leave_torch_as_found(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    import torch
+
+    assert not torch.are_deterministic_algorithms_enabled()
+    code, _, _ = check(capsys, "--impl", "torch", *ONE, "--deterministic",
+                       "--report-dir", str(tmp_path))
+    report = read_report(tmp_path)
+    assert code == 0 and report["conditions"]["deterministic_algorithms"] is True
+    assert report["statistics"]["max_noise_floor"] == 0.0  # CPU kernels: no noise at all
+    assert not torch.are_deterministic_algorithms_enabled()

@@ -69,6 +69,7 @@ def test_markdown_puts_the_verdict_first_and_the_reproduce_command_in(
     report = json.loads((reports["fail"] / "report.json").read_text())
     assert report["minimal_failures"][0]["reproduce"] in text
     assert "ULPs" in text and "Random sites exercised" in text
+    assert "**Noise floor:** the two full-storage runs differ by at most 0 " in text
     main(["report", str(reports["pass"]), "--format", "md"])
     assert (reports["pass"] / "report.md").read_text().startswith("## gradequiv: PASS")
 
