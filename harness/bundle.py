@@ -19,7 +19,7 @@ __all__ = ["ReportBundle", "load_bundle", "report_schema"]
 
 def report_schema() -> dict[str, Any]:
     """The JSON Schema of report.json, as shipped in the package."""
-    text = files("gradequiv.harness").joinpath("schema/report.schema.json").read_text("utf-8")
+    text = files("gradequiv.harness").joinpath("report.schema.json").read_text("utf-8")
     schema: dict[str, Any] = json.loads(text)
     return schema
 
