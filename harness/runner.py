@@ -270,9 +270,12 @@ class _SegmentInputGrads:
         if not torch.is_grad_enabled():
             return
         module = self._modules[segment]
-        sig = self._signatures.setdefault(type(module), inspect.signature(module.forward))
+        # The class's forward, not the instance's: a wrapper may have patched the instance's
+        # forward into (*args, **kwargs), which would lose the parameter names.
+        sig = self._signatures.setdefault(type(module), inspect.signature(type(module).forward))
         try:
-            named = dict(sig.bind(*args, **kwargs).arguments)
+            named = dict(sig.bind(module, *args, **kwargs).arguments)
+            named.pop(next(iter(sig.parameters)))  # self
         except TypeError:
             named = {f"arg{i}": a for i, a in enumerate(args)} | kwargs
         for arg, value in named.items():

@@ -169,3 +169,15 @@ def test_a_steps_records_are_not_changed_by_later_steps() -> None:
     for key in ("input:model:arg0", "param:blocks.0.fc.weight"):
         assert torch.equal(two.steps[0].grads[key], three.steps[0].grads[key]), key
         assert torch.equal(two.steps[1].grads[key], three.steps[1].grads[key]), key
+
+
+def test_a_wrapper_that_patches_forward_keeps_the_input_names() -> None:
+    """Segment inputs are named from the class's forward, not as arg0, arg1."""
+    from gradequiv.harness import resolve
+
+    impl = resolve("wrong_impls:patches_forward_in_place", adapter="wrapper")
+    verdict = verify(impl, find_case("2L-layer-manual-attn"))
+    by_name = {p.name: p for p in verdict.properties}
+    assert by_name["gradients"].passed, by_name["gradients"].summary
+    names = {c.name for c in by_name["gradients"].checks}
+    assert {"grad of input blocks.0:x", "grad of input blocks.1:x"} <= names
