@@ -232,7 +232,8 @@ class _Progress:
         if reporter is None or capture is None:
             return
         with capture.global_and_fixture_disabled():
-            reporter.ensure_newline()
+            if getattr(reporter._tw, "width_of_current_line", 0):  # after pytest's dots
+                reporter.write_line("")
             reporter.write_line(line)
 
 
