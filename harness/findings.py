@@ -99,7 +99,7 @@ def find(report: dict[str, Any]) -> Findings:
             regime.worst_ulps = max(regime.worst_ulps, ulps)
             if error > findings.worst_rel_error or (
                     error == findings.worst_rel_error and ulps > findings.worst_ulps):
-                findings.worst_at = f"{record['name']}: {check['name']}"
+                findings.worst_at = f"{record['name'] or record['description']}: {check['name']}"
             findings.worst_rel_error = max(findings.worst_rel_error, error)
             findings.worst_ulps = max(findings.worst_ulps, ulps)
     return findings

@@ -82,7 +82,8 @@ def _check(report: dict[str, Any]) -> list[str]:
         for f in failures:
             parts.append(f"<p><b>{escape(f['property'])}</b>"
                          f"{' (flaky)' if f['flaky'] else ''}: {escape(f['description'])}</p>"
-                         f"<pre>{escape(f['message'])}\n\n{escape(f['reproduce'])}</pre>")
+                         f"<pre>{escape(f['message'])}\n{escape(f.get('localisation', ''))}"
+                         f"\n\n{escape(f['reproduce'])}</pre>")
     failing = [r for r in report["cases"] if r["verdict"] == "fail"]
     if failing:
         parts.append("<h2>Where the gradients diverge</h2>")

@@ -54,7 +54,9 @@ def render_junit(report: dict[str, Any]) -> str:
             reproduce = minimal["reproduce"] if minimal else record["reproduce"]
             element = ET.SubElement(testcase, "error" if record["error"] else "failure",
                                     message=message.splitlines()[0], type=prop_name)
-            element.text = (f"{len(failing)} of {len(members)} cases fail.\n{message}\n\n"
+            located = minimal.get("localisation", "") if minimal else ""
+            element.text = (f"{len(failing)} of {len(members)} cases fail.\n{message}\n"
+                            f"{located}\n"
                             f"minimal case: {json.dumps(case, sort_keys=True)}\n"
                             f"reproduce: {reproduce}\n")
             errors += bool(record["error"])

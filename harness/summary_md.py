@@ -51,7 +51,10 @@ def _check(report: dict[str, Any]) -> list[str]:
             flaky = " (flaky: passed on replay)" if failure.get("flaky") else ""
             where = f"`{failure['property']}`" if failure.get("property") else "case"
             lines += [f"**{where}**{flaky}: {failure['description']}", "",
-                      f"> {failure['message']}", "", "```sh", failure["reproduce"], "```", ""]
+                      f"> {failure['message']}", ""]
+            if failure.get("localisation"):
+                lines += [f"> {failure['localisation']}", ""]
+            lines += ["```sh", failure["reproduce"], "```", ""]
         if len(failures) > MAX_FAILURES:
             lines += [f"... and {len(failures) - MAX_FAILURES} more in report.json.", ""]
     if tests:

@@ -54,6 +54,23 @@ def replay_passes(impl: Implementation, failure: dict[str, Any]) -> bool:
     return _failure(failure["property"], verdict) == ""
 
 
+_LOCATED: dict[tuple[str, str], Any] = {}
+
+
+def locate(impl: Implementation, failure: dict[str, Any]) -> None:
+    """Add to a minimal failure the first recompute op that differs from the original
+    forward (``localisation``, and ``first_diverging_op`` when one is found)."""
+    from gradequiv.harness.localise import localise
+
+    case = Case.from_dict(failure["case"])
+    key = (repr((impl.spec, impl.adapter, sorted(impl.kwargs.items()))), case.to_json())
+    if key not in _LOCATED:  # the failing tests of one run often share their minimal case
+        _LOCATED[key] = localise(impl, case, runtime.resolve_device(runtime.OPTIONS.device))
+    found = _LOCATED[key]
+    failure["localisation"] = found.describe()
+    failure["first_diverging_op"] = found.divergence.to_dict() if found.divergence else None
+
+
 def _failure(name: str, verdict: Verdict) -> str:
     if verdict.error is not None:
         return verdict.first_failure + "\n" + verdict.error

@@ -292,16 +292,22 @@ def recompute_impl() -> Any:
 
 @pytest.hookimpl(wrapper=True)
 def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) -> Any:
-    """Replay a suite test's minimal failure once, outside the cache: flaky or not."""
+    """Replay a suite test's minimal failure once, outside the cache (flaky or not), and
+    find the first recompute op that differs from the original forward."""
     report = yield
     funcargs: dict[str, Any] = getattr(item, "funcargs", {})
     if call.when == "call" and report.failed and "recompute_impl" in funcargs:
-        from gradequiv.properties.assertions import replay_passes
+        from gradequiv.properties.assertions import locate, replay_passes
 
+        impl = funcargs["recompute_impl"]
         for key, failure in report.user_properties:
-            if key == FAILURE_KEY and replay_passes(funcargs["recompute_impl"], failure):
+            if key != FAILURE_KEY:
+                continue
+            if replay_passes(impl, failure):
                 failure["flaky"] = True
                 report.longrepr = f"FLAKY (passed on replay: nondeterministic)\n{report.longrepr}"
+            locate(impl, failure)
+            report.longrepr = f"{report.longrepr}\n  {failure['localisation']}"
     return report
 
 
@@ -348,6 +354,8 @@ class _Gatherer:
             flaky = " [flaky]" if failure["flaky"] else ""
             write(f"{failure['test']}{flaky}: {failure['description']}")
             write(f"    {failure['message'].splitlines()[0]}")
+            if failure.get("localisation"):
+                write(f"    {failure['localisation']}")
             write(f"    reproduce: {failure['reproduce']}")
         if runtime.OPTIONS.report_dir is not None:
             write(f"report: {runtime.OPTIONS.report_dir / 'report.json'}")

@@ -51,6 +51,9 @@ def test_no_rng_restore_exits_1_and_names_the_first_mismatched_gradient(
     assert "grad of wte.weight: relative error" in failure["message"]
     assert "--impl-kwarg preserve_rng_state=false" in failure["reproduce"]
     assert "reproduce: gradequiv check" in out
+    minimal = read_report(tmp_path)["minimal_failures"][0]
+    assert minimal["first_diverging_op"]["op"].startswith("bernoulli")
+    assert "first diverging op: bernoulli" in out  # in the terminal summary too
 
 
 def test_the_reproduce_command_reruns_exactly_that_case(

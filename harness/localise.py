@@ -1,0 +1,225 @@
+"""Where a recompute first goes wrong: the first op whose output differs from the original.
+
+"Gradients differ" leaves a day of bisecting. Here the segment's own two
+runs are compared op by op: the forward the implementation ran first, and
+the recompute it ran in backward. Every aten op a segment runs is recorded
+under a ``TorchDispatchMode`` with the module it ran in (forward hooks keep
+a stack of module names); the first recompute op whose output differs from
+its counterpart (another op, another dtype or shape, other values) is the
+divergence. For a random op the share of elements that differ is the share
+of the dropout mask drawn differently.
+
+It sees what the dispatcher sees, so it works for any implementation that
+re-runs the segment's modules eagerly (function and wrapper adapters). A
+segment that is never re-run, or a compiled graph whose ops never reach
+Python dispatch, gets a reason instead of a guess.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
+
+from gradequiv.harness.adapters import Implementation
+from gradequiv.harness.case import Case
+from gradequiv.models import build
+
+__all__ = ["Divergence", "Localisation", "localise"]
+
+_RANDOM = ("bernoulli", "dropout", "uniform", "normal", "rand", "exponential", "multinomial")
+#: Ops whose output is no computation of the segment: uninitialised memory, copies and casts
+#: (a lost cast shows at the next op, in its dtype). Pure views are skipped too (see _skipped).
+_BOOKKEEPING = frozenset({"empty", "empty_like", "empty_strided", "new_empty",
+                          "new_empty_strided", "_to_copy", "clone", "copy_", "lift_fresh",
+                          "lift_fresh_copy"})
+
+
+def _skipped(func: Any) -> bool:
+    """Views, detaches and copies: the same on every correct run, and not all runs make them
+    (a checkpoint detaches its inputs before the recompute)."""
+    if func.overloadpacket.__name__ in _BOOKKEEPING:
+        return True
+    schema = getattr(func, "_schema", None)
+    returns = schema.returns if schema is not None else []
+    return bool(returns) and all(r.alias_info is not None and not r.alias_info.is_write
+                                 for r in returns)
+
+
+@dataclass
+class _Op:
+    op: str
+    module: str
+    value: Tensor | None  # the first tensor output, cloned; None for ops without one
+
+    def signature(self) -> str:
+        v = self.value
+        return "-" if v is None else f"{str(v.dtype).removeprefix('torch.')}{list(v.shape)}"
+
+
+@dataclass(frozen=True)
+class Divergence:
+    """The first recompute op that differs from the original forward."""
+
+    segment: str
+    index: int  # position of the op in the segment's forward
+    op: str
+    module: str
+    forward: str  # dtype[shape], or the op the forward ran there
+    recompute: str
+    rel_error: float | None  # None: not comparable (other op, shape or dtype)
+    differing: float  # share of elements that differ (1.0 when not comparable)
+    random: bool  # a random op: ``differing`` is the share of the mask drawn differently
+
+    def describe(self) -> str:
+        where = f"{self.op} in {self.module or self.segment} (op {self.index} of {self.segment})"
+        if self.forward != self.recompute:
+            return f"{where}: forward gave {self.forward}, recompute {self.recompute}"
+        kind = "of the random draws" if self.random else "of the elements"
+        error = f", relative error {self.rel_error:.3g}" if self.rel_error is not None else ""
+        return f"{where}: {self.differing:.1%} {kind} differ{error}"
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+@dataclass(frozen=True)
+class Localisation:
+    divergence: Divergence | None
+    reason: str = ""  # why there is no divergence to show
+
+    def describe(self) -> str:
+        if self.divergence is not None:
+            return f"first diverging op: {self.divergence.describe()}"
+        return f"no diverging op found: {self.reason}"
+
+
+class _Recorder(TorchDispatchMode):  # type: ignore[no-untyped-call]  # untyped in torch
+    """Appends every op run inside a segment to that segment's list for the current phase."""
+
+    def __init__(self, owner: _Tracker) -> None:
+        super().__init__()  # type: ignore[no-untyped-call]
+        self.owner = owner
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (),
+                           kwargs: Any = None) -> Any:
+        out = func(*args, **(kwargs or {}))
+        ops = self.owner.current_ops()
+        if ops is not None and not _skipped(func):
+            first = next((t for t in tree_leaves(out) if isinstance(t, Tensor)), None)
+            value = first.detach().clone() if first is not None else None
+            ops.append(_Op(str(func.overloadpacket.__name__), self.owner.module_path(), value))
+        return out
+
+
+class _Tracker:
+    """Which segment and module are running, and in which phase."""
+
+    def __init__(self, model: nn.Module, segments: dict[int, str],
+                 extra: dict[nn.Module, str]) -> None:
+        self.backward = False
+        self.modules: list[str] = []
+        self.segment: list[str] = []
+        self.ops: dict[tuple[str, str], list[_Op]] = {}
+        self.handles: list[Any] = []
+        named = dict(model.named_modules())
+        registered = {id(m) for m in named.values()}
+        # Segments outside the module tree (layer groups) are watched too.
+        named.update({name: m for m, name in extra.items() if id(m) not in registered})
+        for name, module in named.items():
+            self.handles.append(module.register_forward_pre_hook(self._enter(name, segments)))
+            self.handles.append(module.register_forward_hook(self._leave(id(module), segments),
+                                                             always_call=True))
+
+    def _enter(self, name: str, segments: dict[int, str]) -> Any:
+        def hook(module: nn.Module, args: Any) -> None:
+            self.modules.append(name)
+            if id(module) in segments:
+                self.segment.append(segments[id(module)])
+        return hook
+
+    def _leave(self, key: int, segments: dict[int, str]) -> Any:
+        def hook(module: nn.Module, args: Any, output: Any) -> None:
+            if self.modules:
+                self.modules.pop()
+            if key in segments and self.segment:
+                self.segment.pop()
+        return hook
+
+    def current_ops(self) -> list[_Op] | None:
+        if not self.segment:
+            return None
+        key = (self.segment[-1], "recompute" if self.backward else "forward")
+        return self.ops.setdefault(key, [])
+
+    def module_path(self) -> str:
+        return self.modules[-1] if self.modules else ""
+
+    def remove(self) -> None:
+        for handle in self.handles:
+            handle.remove()
+
+
+def localise(impl: Implementation, case: Case, device: str | torch.device = "cpu") -> Localisation:
+    """Run ``case``'s first step through ``impl`` with every segment op recorded; compare."""
+    device = torch.device(device)
+    workload = build(case.model, case.batch, case.seed, device)
+    model = workload.model
+    segments = workload.segments(case.granularity)
+    if not segments:
+        return Localisation(None, "the case recomputes no segment")
+    impl.install(model, segments)
+    model.train()
+    tracker = _Tracker(model, {id(s.module): s.name for s in segments},
+                       {s.module: s.name for s in segments})
+    torch.default_generator.manual_seed(case.seed + 1)  # the runner's training stream
+    try:
+        with _Recorder(tracker), case.autocast(device):
+            loss = workload.loss_fn(model(*workload.inputs), workload.targets)
+        tracker.backward = True
+        with _Recorder(tracker):
+            loss.backward()  # type: ignore[no-untyped-call]  # untyped in torch
+    except Exception as exc:
+        return Localisation(None, f"the implementation raised ({type(exc).__name__}: {exc})")
+    finally:
+        tracker.remove()
+    recomputed = [s.name for s in segments if (s.name, "recompute") in tracker.ops]
+    if not recomputed:
+        return Localisation(None, "no segment ran again during backward (nothing was "
+                                  "recomputed, or it ran where Python dispatch cannot see it, "
+                                  "as in a compiled graph)")
+    for name in recomputed:  # model order: the earliest layer that goes wrong
+        divergence = _first_difference(name, tracker.ops.get((name, "forward"), []),
+                                       tracker.ops[(name, "recompute")])
+        if divergence is not None:
+            return Localisation(divergence)
+    return Localisation(None, "every recomputed op matched its original in value, dtype and "
+                              "shape (the fault lies outside the re-run segments' ops)")
+
+
+def _first_difference(segment: str, forward: list[_Op], again: list[_Op]) -> Divergence | None:
+    for index, (a, b) in enumerate(zip(forward, again)):
+        random = any(word in b.op for word in _RANDOM)
+        if a.op != b.op:
+            return Divergence(segment, index, b.op, b.module, a.op, b.op, None, 1.0, random)
+        if a.signature() != b.signature():
+            return Divergence(segment, index, b.op, b.module, a.signature(), b.signature(),
+                              _rel_error(a.value, b.value), 1.0, random)
+        if a.value is None or b.value is None or torch.equal(a.value, b.value):
+            continue
+        differing = float((a.value != b.value).float().mean())
+        return Divergence(segment, index, b.op, b.module, a.signature(), b.signature(),
+                          _rel_error(a.value, b.value), differing, random)
+    return None
+
+
+def _rel_error(a: Tensor | None, b: Tensor | None) -> float | None:
+    if a is None or b is None or a.shape != b.shape or not a.is_floating_point():
+        return None
+    a64, b64 = a.double(), b.to(a.device).double()
+    scale = max(float(a64.norm()), float(b64.norm()))
+    return float((a64 - b64).norm()) / scale if scale > 0 else 0.0

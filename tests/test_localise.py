@@ -1,0 +1,49 @@
+"""The first diverging op: named for an RNG fault and a lost autocast, absent when correct."""
+
+from __future__ import annotations
+
+import pytest
+
+from gradequiv.harness import Implementation, find_case, resolve
+from gradequiv.harness.localise import localise
+from gradequiv.harness.mutants import MUTANTS
+
+MUTANT = {m.name: Implementation(m.name, m.impl) for m in MUTANTS}
+
+
+def test_a_missing_rng_restore_names_the_dropout_op_its_module_and_the_mask_share() -> None:
+    found = localise(resolve("torch", kwargs={"preserve_rng_state": False}),
+                     find_case("2L-layer-manual-attn"))
+    d = found.divergence
+    assert d is not None and d.random and d.op.startswith("bernoulli")
+    assert d.module.startswith("blocks.0.") and d.segment == "blocks.0"
+    # two independent masks at p = 0.1 disagree on 2 * 0.1 * 0.9 = 18% of the elements
+    assert 0.1 < d.differing < 0.3
+    assert "of the random draws differ" in found.describe()
+
+
+def test_a_lost_autocast_names_the_first_op_whose_dtype_differs() -> None:
+    found = localise(MUTANT["autocast-lost"], find_case("2L-layer-bf16-nodropout"))
+    d = found.divergence
+    assert d is not None and not d.random
+    assert (d.op, d.module) == ("addmm", "blocks.0.attn.qkv")
+    assert d.forward.startswith("bfloat16[") and d.recompute.startswith("float32[")
+
+
+def test_dropped_keyword_arguments_show_as_another_op_sequence() -> None:
+    d = localise(MUTANT["kwargs-dropped"], find_case("2L-layer-manual-attn")).divergence
+    assert d is not None and d.forward != d.recompute and d.rel_error is None
+
+
+@pytest.mark.parametrize("case", ["2L-layer-manual-attn", "4L-group2-dropout-untied",
+                                  "2L-layer-bf16-dropout"])
+def test_a_correct_recompute_has_no_diverging_op(case: str) -> None:
+    found = localise(resolve("torch"), find_case(case))
+    assert found.divergence is None and "every recomputed op matched" in found.reason
+
+
+def test_when_nothing_is_recomputed_it_says_so_instead_of_guessing() -> None:
+    found = localise(MUTANT["no-op"], find_case("2L-layer-manual-attn"))
+    assert found.divergence is None and "no segment ran again during backward" in found.reason
+    assert "recomputes no segment" in localise(resolve("torch"),
+                                               find_case("control-none")).reason
