@@ -169,7 +169,8 @@ def main(argv: list[str] | None = None) -> int:
         args = build_parser().parse_args(argv)
         commands = {"check": _check, "mutants": _mutants, "profile": _profile,
                     "distributed": _distributed, "report": _report}
-        return commands[args.command](args)
+        with _sigterm_as_interrupt():  # a CI timeout or cancel ends like Ctrl-C
+            return commands[args.command](args)
     except _UsageError as exc:
         print(f"gradequiv: error: {exc}", file=sys.stderr)
         return EXIT_USAGE
@@ -215,8 +216,7 @@ def _check(args: argparse.Namespace) -> int:
     shard = f", shard {args.shard}" if args.shard else ""
     print(f"gradequiv check: {impl.spec} ({impl.adapter}) on {device}, torch "
           f"{torch.__version__}, {torch.get_num_threads()} threads{shard}", flush=True)
-    with _sigterm_as_interrupt():
-        code = run_pytest(pytest_args)
+    code = run_pytest(pytest_args)
     if code == 2:
         print("gradequiv: interrupted; the report keeps what finished, marked incomplete",
               file=sys.stderr)
