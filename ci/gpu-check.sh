@@ -10,7 +10,8 @@
 #   2. gradequiv check --device cuda for torch and torch-reentrant (exit 0),
 #   3. gradequiv mutants --device cuda, the CUDA-only mutant live (exit 0),
 #   4. gradequiv profile --device cuda (allocator figures beside the count),
-#   5. every report format.
+#   5. every report format,
+#   6. with 2 or more GPUs, DDP and FSDP over NCCL (gradequiv distributed).
 set -uo pipefail
 out=${1:-gpu-check}
 mkdir -p "$out"
@@ -45,6 +46,12 @@ step check-no-rng 1 gradequiv check --impl torch --impl-kwarg preserve_rng_state
 step mutants 0 gradequiv mutants --device cuda --examples 10 --report-dir "$out/torch"
 step profile 0 gradequiv profile --impl torch --device cuda --steps 20 --report-dir "$out/torch"
 step reports 0 gradequiv report "$out/torch" --format all
+gpus=$(python -c "import torch; print(torch.cuda.device_count())")
+if ((gpus >= 2)); then
+    step distributed-nccl 0 gradequiv distributed --impl torch --device cuda
+else
+    summary+=("$(printf '%-22s %s' distributed-nccl "skipped: NCCL needs 2 GPUs, this machine has $gpus")")
+fi
 
 echo
 echo "gpu-check summary ($(cat "$out/conditions.txt"))"

@@ -140,6 +140,8 @@ def build_parser() -> argparse.ArgumentParser:
     dist.add_argument("--impl-kwarg", action="append", default=[], metavar="KEY=VALUE")
     dist.add_argument("--wrapper", choices=("ddp", "fsdp", "both"), default="both")
     dist.add_argument("--world-size", type=_count, default=2, metavar="N")
+    dist.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
+                      help="cpu: gloo; cuda: NCCL, one GPU per rank (default %(default)s)")
     dist.add_argument("--case", default="4L-group2-dropout-untied", metavar="NAME|JSON|FILE",
                       help="the case to train (default %(default)s)")
     dist.add_argument("--timeout", type=_tolerance, default=300.0, metavar="SECONDS",
@@ -344,9 +346,10 @@ def _distributed(args: argparse.Namespace) -> int:
         impl = resolve(args.impl, adapter=args.adapter, kwargs=parse_impl_kwargs(args.impl_kwarg))
         case = load_case(args.case)
         for wrapper in wrappers:
+            backend = "NCCL" if args.device == "cuda" else "gloo"
             print(f"gradequiv distributed: {impl.spec} under {wrapper}, {args.world_size} ranks "
-                  f"(gloo), {case.describe()}", flush=True)
-            verdict = verify_distributed(impl, case, wrapper=wrapper,
+                  f"({backend}), {case.describe()}", flush=True)
+            verdict = verify_distributed(impl, case, wrapper=wrapper, device=args.device,
                                          world_size=args.world_size, timeout_s=args.timeout)
             if verdict.passed:
                 print(f"  pass: {verdict.compared} tensors equal on every rank "

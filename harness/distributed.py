@@ -66,9 +66,14 @@ def verify_distributed(
     wrapper: str = "ddp",
     world_size: int = 2,
     timeout_s: float = 300.0,
+    device: str = "cpu",
 ) -> DistributedVerdict:
-    """Train ``case`` under ``wrapper`` on ``world_size`` CPU ranks, full storage then
-    recompute through ``impl``, and compare what every rank saw."""
+    """Train ``case`` under ``wrapper`` on ``world_size`` ranks, full storage then
+    recompute through ``impl``, and compare what every rank saw.
+
+    ``device="cpu"``: gloo, every rank on the CPU. ``device="cuda"``: NCCL, rank r
+    on GPU r, so it needs ``world_size`` GPUs.
+    """
     if wrapper not in WRAPPERS:
         raise InvalidArgument(f"wrapper={wrapper!r} is not one of {', '.join(WRAPPERS)}")
     if world_size < 2:
@@ -77,6 +82,12 @@ def verify_distributed(
         raise InvalidArgument(
             f"batch_size={case.batch.batch_size} < world_size={world_size}: every rank needs "
             f"a sample; raise batch_size in the case")
+    if device not in ("cpu", "cuda"):
+        raise InvalidArgument(f"device={device!r} is not one of cpu, cuda")
+    if device == "cuda" and torch.cuda.device_count() < world_size:
+        raise InvalidArgument(
+            f"device='cuda' with world_size={world_size} needs {world_size} GPUs for NCCL (one "
+            f"per rank); this machine has {torch.cuda.device_count()}; use device='cpu' (gloo)")
     if case.model_kind != "transformer":
         raise InvalidArgument(f"model_kind={case.model_kind!r}: the distributed property runs "
                               f"the transformer")
@@ -86,7 +97,7 @@ def verify_distributed(
         out = Path(folder)
         spec = (impl.spec, impl.adapter, impl.kwargs)
         context = start_processes(  # type: ignore[no-untyped-call]  # untyped in torch
-            _rank_main, args=(world_size, spec, case.to_json(), wrapper, str(out)),
+            _rank_main, args=(world_size, spec, case.to_json(), wrapper, str(out), device),
             nprocs=world_size, join=False, start_method="spawn")
         deadline = time.monotonic() + timeout_s
         try:
@@ -136,19 +147,24 @@ def _compare(results: list[dict[str, dict[str, Tensor]]], case: Case,
 
 
 def _rank_main(rank: int, world_size: int, spec: tuple[str, str, dict[str, Any]],
-               case_json: str, wrapper: str, folder: str) -> None:
+               case_json: str, wrapper: str, folder: str, device_type: str) -> None:
     """One rank: both paths in one process group; results or a traceback to ``folder``."""
     out = Path(folder)
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")  # one machine: loopback, not a NIC
+    device = torch.device("cpu")
+    if device_type == "cuda":
+        device = torch.device("cuda", rank)
+        torch.cuda.set_device(device)
     try:
-        dist.init_process_group("gloo", init_method=f"file://{out / 'rendezvous'}",
+        dist.init_process_group("nccl" if device.type == "cuda" else "gloo",
+                                init_method=f"file://{out / 'rendezvous'}",
                                 rank=rank, world_size=world_size)
         from gradequiv.harness.adapters import resolve
 
         impl = resolve(spec[0], adapter=spec[1], kwargs=spec[2])
         case = Case.from_json(case_json)
-        results = {"full": _train(case, None, wrapper, rank, world_size),
-                   "recompute": _train(case, impl, wrapper, rank, world_size)}
+        results = {"full": _train(case, None, wrapper, rank, world_size, device),
+                   "recompute": _train(case, impl, wrapper, rank, world_size, device)}
         torch.save(results, out / f"rank{rank}.pt")
     except Exception:
         (out / f"rank{rank}.err").write_text(traceback.format_exc())
@@ -158,9 +174,8 @@ def _rank_main(rank: int, world_size: int, spec: tuple[str, str, dict[str, Any]]
 
 
 def _train(case: Case, impl: Implementation | None, wrapper: str, rank: int,
-           world_size: int) -> dict[str, Tensor]:
+           world_size: int, device: torch.device) -> dict[str, Tensor]:
     """``case.steps`` SGD steps on this rank's share of the fixed batch; what it saw."""
-    device = torch.device("cpu")
     workload = build(case.model, case.batch, case.seed, device)  # same weights on every rank
     model = workload.model
     segments = workload.segments(case.granularity)
@@ -182,7 +197,7 @@ def _train(case: Case, impl: Implementation | None, wrapper: str, rank: int,
             fully_shard(block)
         wrapped = fully_shard(model)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
-    torch.manual_seed(case.seed + 1 + rank)  # each rank draws its own dropout masks
+    torch.manual_seed(case.seed + 1 + rank)  # each rank draws its own dropout masks (and GPU)
     seen: dict[str, Tensor] = {}
     model.train()
     for step in range(1, case.steps + 1):
@@ -203,5 +218,5 @@ def _train(case: Case, impl: Implementation | None, wrapper: str, rank: int,
 def _full(t: Tensor) -> Tensor:
     """The whole tensor on this rank (FSDP keeps shards: gather them)."""
     full = t.full_tensor() if hasattr(t, "full_tensor") else t
-    return full.detach().clone()
+    return full.detach().to("cpu", copy=True)
 

@@ -43,7 +43,17 @@ def test_a_hanging_rank_is_killed_and_fails_the_verdict(monkeypatch: pytest.Monk
     ({"wrapper": "zero3"}, "wrapper='zero3' is not one of ddp, fsdp"),
     ({"world_size": 1}, "world_size=1: data parallelism needs at least 2"),
     ({"world_size": 3}, "batch_size=2 < world_size=3"),
+    ({"device": "tpu"}, "device='tpu' is not one of cpu, cuda"),
 ])
 def test_bad_arguments_are_refused_before_any_rank_starts(kwargs: dict, message: str) -> None:
     with pytest.raises(InvalidArgument, match=message):
         verify_distributed(resolve("torch"), CASE, **kwargs)
+
+
+def test_nccl_needs_one_gpu_per_rank() -> None:
+    import torch
+
+    if torch.cuda.device_count() >= 2:
+        pytest.skip("this machine has the GPUs: the NCCL path runs in ci/gpu-check.sh")
+    with pytest.raises(InvalidArgument, match="needs 2 GPUs for NCCL"):
+        verify_distributed(resolve("torch"), CASE, device="cuda")
