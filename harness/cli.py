@@ -68,19 +68,25 @@ def _shard(text: str) -> str:
     return text
 
 
+def _implementation_options(command: argparse.ArgumentParser) -> None:
+    """--impl, --adapter, --impl-kwarg: the same for every command that runs an implementation."""
+    command.add_argument("--impl", required=True, metavar="SPEC", help=(
+        "a built-in name (torch, torch-reentrant, torch-sac, torch-wrapper, fairscale, "
+        "deepspeed, deepspeed-nonreentrant, megatron), an entry point in "
+        "'gradequiv.implementations', or 'package.module:attr'"))
+    command.add_argument("--adapter", choices=("function", "wrapper", "toggle"), default=None,
+                         help="how the implementation is called (default: function)")
+    command.add_argument("--impl-kwarg", action="append", default=[], metavar="KEY=VALUE",
+                         help="keyword argument forwarded to the implementation (repeatable)")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="gradequiv", description=(
         "Prove that an activation-recompute implementation gives the same gradients as "
         "keeping every activation."))
     commands = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
     check = commands.add_parser("check", help="verify an implementation against full storage")
-    check.add_argument("--impl", required=True, metavar="SPEC", help=(
-        "a built-in name (torch, torch-reentrant), an entry point in "
-        "'gradequiv.implementations', or 'package.module:attr'"))
-    check.add_argument("--adapter", choices=("function", "wrapper", "toggle"), default=None,
-                       help="how the implementation is called (default: function)")
-    check.add_argument("--impl-kwarg", action="append", default=[], metavar="KEY=VALUE",
-                       help="keyword argument forwarded to the implementation (repeatable)")
+    _implementation_options(check)
     check.add_argument("--examples", type=_count, default=None, metavar="N",
                        help="examples Hypothesis draws per property (default: the profile's)")
     check.add_argument("--deterministic", action="store_true",
@@ -114,9 +120,7 @@ def build_parser() -> argparse.ArgumentParser:
                          help="write DIR/mutants.json and DIR/mutants.md")
     prof = commands.add_parser(
         "profile", help="activation memory and step time per granularity, and the frontier")
-    prof.add_argument("--impl", required=True, metavar="SPEC")
-    prof.add_argument("--adapter", choices=("function", "wrapper", "toggle"), default=None)
-    prof.add_argument("--impl-kwarg", action="append", default=[], metavar="KEY=VALUE")
+    _implementation_options(prof)
     prof.add_argument("--granularity", default=",".join(_DEFAULT_GRANULARITIES),
                       metavar="LIST", help="comma-separated (default: %(default)s)")
     prof.add_argument("--layers", type=_count, default=4)
@@ -134,10 +138,8 @@ def build_parser() -> argparse.ArgumentParser:
     prof.add_argument("--report-dir", type=Path, default=None, metavar="DIR",
                       help="write DIR/profile.json, profile.md and profile.png")
     dist = commands.add_parser(
-        "distributed", help="DDP / FSDP training with and without recompute on N CPU ranks")
-    dist.add_argument("--impl", required=True, metavar="SPEC")
-    dist.add_argument("--adapter", choices=("function", "wrapper", "toggle"), default=None)
-    dist.add_argument("--impl-kwarg", action="append", default=[], metavar="KEY=VALUE")
+        "distributed", help="DDP / FSDP training with and without recompute on N ranks")
+    _implementation_options(dist)
     dist.add_argument("--wrapper", choices=("ddp", "fsdp", "both"), default="both")
     dist.add_argument("--world-size", type=_count, default=2, metavar="N")
     dist.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
