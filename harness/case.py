@@ -16,6 +16,7 @@ import torch
 from gradequiv.models import (
     BatchConfig,
     BatchNormConfig,
+    ExternalConfig,
     Granularity,
     InvalidArgument,
     ModelConfig,
@@ -27,9 +28,11 @@ from gradequiv.models import (
 DTYPES = ("fp32", "bf16-autocast", "fp16-autocast")
 CUDA_ONLY_DTYPES = ("fp16-autocast",)
 
-_MODEL_KINDS: dict[str, type[TransformerConfig] | type[BatchNormConfig]] = {
+_ConfigType = type[TransformerConfig] | type[BatchNormConfig] | type[ExternalConfig]
+_MODEL_KINDS: dict[str, _ConfigType] = {
     "transformer": TransformerConfig,
     "batchnorm": BatchNormConfig,
+    "external": ExternalConfig,
 }
 
 
@@ -58,7 +61,8 @@ class Case:
 
     @property
     def model_kind(self) -> str:
-        return "batchnorm" if isinstance(self.model, BatchNormConfig) else "transformer"
+        return next(kind for kind, config in _MODEL_KINDS.items()
+                    if isinstance(self.model, config))
 
     def describe(self) -> str:
         """A short human line: what makes this case this case, random sites included."""
@@ -70,9 +74,11 @@ class Case:
                 ("resid_dropout", m.resid_dropout), ("mlp_dropout", m.mlp_dropout),
                 ("drop_path", m.drop_path)) if p > 0]
             sites += ["rrelu"] if m.activation == "rrelu" else []
-        else:
+        elif isinstance(m, BatchNormConfig):
             size = f"batchnorm {m.n_layer}L x {m.width}w"
             sites = [f"dropout {m.dropout:g}"] if m.dropout > 0 else []
+        else:
+            return f"model {m.factory}, {self.granularity}, {self.dtype}, seed {self.seed}"
         rand = f"random: {', '.join(sites)}" if sites else "no random ops"
         return f"{size}, {self.granularity}, {self.dtype}, {rand}, seed {self.seed}"
 

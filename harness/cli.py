@@ -92,6 +92,9 @@ def build_parser() -> argparse.ArgumentParser:
     check.add_argument("--deterministic", action="store_true",
                        help="torch.use_deterministic_algorithms(True) for the run; the report "
                             "records it and the noise floor it leaves")
+    check.add_argument("--model", default=None, metavar="SPEC",
+                       help="your own model: package.module:attr, a factory called with a "
+                            "seed that returns gradequiv.models.UserModel")
     check.add_argument("--shard", type=_shard, default=None, metavar="I/N",
                        help="run shard I of N: its share of the examples (from its own seed) "
                             "and of the named cases, for CI matrices")
@@ -199,6 +202,8 @@ def _check(args: argparse.Namespace) -> int:
         if args.case is not None:
             case = load_case(args.case)
             Tolerance(case.dtype, args.rtol, args.atol)
+        if args.model is not None:
+            _check_model(args.model)
         Tolerance("fp32", args.rtol, args.atol)
     except InvalidArgument as exc:
         raise _UsageError(str(exc)) from exc
@@ -210,7 +215,7 @@ def _check(args: argparse.Namespace) -> int:
                    f"--gradequiv-device={device.type}"]
     pytest_args += [f"--gradequiv-impl-kwarg={item}" for item in args.impl_kwarg]
     optional = {"adapter": args.adapter, "examples": args.examples, "case": args.case,
-                "shard": args.shard,
+                "shard": args.shard, "model": args.model,
                 "report-dir": args.report_dir, "rtol": args.rtol, "atol": args.atol}
     pytest_args += [f"--gradequiv-{k}={v}" for k, v in optional.items() if v is not None]
     if args.deterministic:
@@ -243,6 +248,19 @@ def _sigterm_as_interrupt() -> Iterator[None]:
         yield
     finally:
         signal.signal(signal.SIGTERM, previous)
+
+
+def _check_model(spec: str) -> None:
+    """Build the user's model once: a factory that cannot build is exit 2, not 30 failures."""
+    from gradequiv.models import BatchConfig, ExternalConfig, InvalidArgument, build
+
+    try:
+        build(ExternalConfig(spec), BatchConfig(), 0, "cpu")
+    except InvalidArgument:
+        raise
+    except Exception as exc:
+        raise InvalidArgument(f"--model={spec!r}: the factory raised {type(exc).__name__}: "
+                              f"{exc}") from exc
 
 
 def run_pytest(args: list[str]) -> int:

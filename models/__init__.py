@@ -16,6 +16,7 @@ from torch import Tensor
 
 from gradequiv.models.batchnorm import BatchNormConfig, BatchNormNet
 from gradequiv.models.errors import InvalidArgument
+from gradequiv.models.external import ExternalConfig, ExternalModel, UserModel, load_user_model
 from gradequiv.models.granularity import (
     AttentionOnly,
     EveryKthLayer,
@@ -40,7 +41,9 @@ __all__ = [
     "InvalidArgument",
     "LayerGroups",
     "MlpOnly",
+    "ExternalConfig",
     "ModelConfig",
+    "UserModel",
     "NoRecompute",
     "Router",
     "Segment",
@@ -52,7 +55,7 @@ __all__ = [
     "parse_granularity",
 ]
 
-ModelConfig = TransformerConfig | BatchNormConfig
+ModelConfig = TransformerConfig | BatchNormConfig | ExternalConfig
 
 
 @dataclass(frozen=True)
@@ -129,6 +132,8 @@ def build(
     device: torch.device | str = "cpu",
 ) -> Workload:
     """Initialise the model from ``seed`` and draw its fixed batch from ``seed`` too."""
+    if isinstance(model_config, ExternalConfig):
+        return _build_external(model_config, seed, device)
     with torch.random.fork_rng(devices=[]):
         torch.default_generator.manual_seed(seed)  # weights are made on the CPU
         if isinstance(model_config, TransformerConfig):
@@ -149,3 +154,14 @@ def build(
     features = torch.randn(batch.batch_size, model_config.width, generator=gen).to(device)
     labels = torch.randint(0, model_config.n_classes, (batch.batch_size,), generator=gen)
     return Workload(model, (features.requires_grad_(),), labels.to(device), F.cross_entropy)
+
+
+def _build_external(config: ExternalConfig, seed: int, device: torch.device | str) -> Workload:
+    """A user's model from its factory (``--model``); the factory decides the batch."""
+    with torch.random.fork_rng(devices=[]):
+        torch.default_generator.manual_seed(seed)
+        user = load_user_model(config, seed)
+        model = ExternalModel(user.model, user.segments)
+    model.to(device)
+    inputs = tuple(t.to(device) if t is not None else None for t in user.inputs)
+    return Workload(model, inputs, user.targets.to(device), user.loss_fn)

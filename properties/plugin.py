@@ -34,6 +34,8 @@ _OPTIONS: list[tuple[str, str, dict[str, Any]]] = [
     ("case", "replay one case: its JSON, or a named case", {}),
     ("rtol", "explicit relative-error bound (replaces the derived one)", {}),
     ("atol", "explicit absolute-error bound (a tensor within it passes)", {}),
+    ("model", "your own model: a factory package.module:attr, called with a seed, returning "
+              "gradequiv.models.UserModel; replaces the reference models", {}),
     ("models", "reference models to draw cases for, comma-separated: transformer, batchnorm "
                "(default transformer)", {}),
     ("shard", "run shard I of N (e.g. 2/4): its share of the examples, drawn from its own "
@@ -181,6 +183,7 @@ def pytest_configure(config: pytest.Config) -> None:
     options.models = models
     options.shrink = not _setting(config, "no-shrink")
     options.shard = _shard(_setting(config, "shard") or "1/1")
+    options.model = _setting(config, "model")
     if _setting(config, "deterministic"):
         import torch
 

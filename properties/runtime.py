@@ -43,6 +43,7 @@ class RunOptions:
     models: tuple[str, ...] = ("transformer",)  # reference models the cases are drawn for
     shrink: bool = True  # False: stop at the first failing example (mutant runs)
     shard: tuple[int, int] = (1, 1)  # (i, n): this run is shard i of n, 1-based
+    model: str | None = None  # a user's model factory (package.module:attr) instead of ours
 
     @property
     def max_examples(self) -> int:

@@ -17,6 +17,7 @@ from gradequiv.harness.case import Case
 from gradequiv.models import (
     BatchConfig,
     BatchNormConfig,
+    ExternalConfig,
     Granularity,
     InvalidArgument,
     TransformerConfig,
@@ -31,6 +32,7 @@ __all__ = [
     "cases",
     "dropout_regimes",
     "dtype_regimes",
+    "external_cases",
     "granularities",
     "seeds",
     "transformer_configs",
@@ -179,6 +181,17 @@ def batchnorm_cases(draw: st.DrawFn, *, device: str = "cpu") -> Case:
     return Case(model=model, batch=BatchConfig(batch_size=draw(st.integers(2, 8)), seq_len=1),
                 granularity=granularity, dtype=draw(dtype_regimes(device=device)),
                 seed=draw(seeds()))
+
+
+def external_cases(factory: str, *, device: str = "cpu") -> st.SearchStrategy[Case]:
+    """Return a strategy for cases of a user's model (``--model``): the factory fixes the
+    model and batch; drawn are the granularity (every segment, or every 2nd), the precision
+    regime and the seed. Shrinks towards every segment, fp32, seed 0.
+    """
+    model = ExternalConfig(factory)
+    return st.builds(Case, model=st.just(model),
+                     granularity=st.sampled_from(["layer", "every:2"]).map(parse_granularity),
+                     dtype=dtype_regimes(device=device), seed=seeds())
 
 
 @st.composite

@@ -20,7 +20,7 @@ from gradequiv.harness import PROPERTIES, Case, Implementation, default_cases, f
 from gradequiv.harness.spread import load_case
 from gradequiv.properties import runtime
 from gradequiv.properties.assertions import assert_property
-from gradequiv.properties.strategies import cases
+from gradequiv.properties.strategies import cases, external_cases
 
 OPTIONS = runtime.OPTIONS
 
@@ -29,6 +29,8 @@ def _drawn_cases() -> st.SearchStrategy[Case]:
     if OPTIONS.case is not None:
         return st.just(load_case(OPTIONS.case))
     device = runtime.resolve_device(OPTIONS.device).type
+    if OPTIONS.model is not None:
+        return external_cases(OPTIONS.model, device=device)
     return cases(device=device, models=OPTIONS.models)
 
 
@@ -79,12 +81,27 @@ def test_recompute(recompute_impl: Implementation, case: Case, request: Any) -> 
     assert_property("recompute", recompute_impl, case, request.node)
 
 
+def _spread() -> list[Case]:
+    """The fixed spread: ours, or for a user's model every segment in each precision."""
+    if OPTIONS.model is None:
+        return default_cases()
+    from gradequiv.models import ExternalConfig
+
+    model = ExternalConfig(OPTIONS.model)
+    return [Case(model=model, dtype=dtype, name=f"model-layer-{dtype}")
+            for dtype in ("fp32", "bf16-autocast")]
+
+
+def _named(name: str) -> Case:
+    return next(c for c in _spread() if c.name == name) if OPTIONS.model else find_case(name)
+
+
 if OPTIONS.case is None:  # replaying one case runs the six properties on it alone
 
     @pytest.mark.parametrize(
-        "name", [c.name for i, c in enumerate(default_cases()) if OPTIONS.in_shard(i)])
+        "name", [c.name for i, c in enumerate(_spread()) if OPTIONS.in_shard(i)])
     def test_named_case(recompute_impl: Implementation, name: str, request: Any) -> None:
         """The fixed spread: every property on each named case."""
-        case = find_case(name).with_seed_offset(OPTIONS.seed)
+        case = _named(name).with_seed_offset(OPTIONS.seed)
         for prop in PROPERTIES:
             assert_property(prop, recompute_impl, case, request.node)

@@ -1,0 +1,66 @@
+"""Bring your own model (--model): the suite on a user's residual stack, routed unchanged."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from gradequiv.harness import Case, Implementation, resolve, verify
+from gradequiv.harness.cli import main
+from gradequiv.harness.mutants import MUTANTS
+from gradequiv.models import ExternalConfig, InvalidArgument, parse_granularity
+
+MODEL = "user_models:residual_stack"
+
+
+def test_torch_passes_on_a_user_model_and_the_report_names_it(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["check", "--impl", "torch", "--model", MODEL, "--examples", "3",
+                 "--report-dir", str(tmp_path)]) == 0
+    report = json.loads((tmp_path / "report.json").read_text())
+    assert {c["case"]["model_kind"] for c in report["cases"]} == {"external"}
+    assert "test_named_case[model-layer-bf16-autocast]" in report["tests"]
+    grads = {c["name"] for r in report["cases"] for p in r["properties"] for c in p["checks"]}
+    assert "grad of inner.blocks.2.linear.weight" in grads
+
+
+def test_no_rng_restore_is_caught_and_located_in_the_user_s_dropout(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["check", "--impl", "torch", "--impl-kwarg", "preserve_rng_state=false",
+                 "--model", MODEL, "--examples", "3", "--report-dir", str(tmp_path)]) == 1
+    failures = json.loads((tmp_path / "report.json").read_text())["minimal_failures"]
+    located = [f["first_diverging_op"] for f in failures if f["first_diverging_op"]]
+    assert located and located[0]["module"] == "inner.blocks.0.dropout"
+
+
+@pytest.mark.parametrize("name", ["kwargs-dropped", "autocast-lost", "no-op"])
+def test_mutants_are_caught_on_a_user_model(name: str) -> None:
+    """The routing hands the implementation the user's own call: keyword arguments,
+    autocast and all; a fault in any of them shows."""
+    mutant = next(m for m in MUTANTS if m.name == name)
+    impl = Implementation(name, mutant.impl)
+    verdicts = [verify(impl, Case(model=ExternalConfig(MODEL), dtype=dtype))
+                for dtype in ("fp32", "bf16-autocast")]
+    assert not all(v.passed for v in verdicts)
+
+
+def test_only_segment_granularities_apply_to_a_user_model() -> None:
+    case = Case(model=ExternalConfig(MODEL), granularity=parse_granularity("attention"))
+    with pytest.raises(InvalidArgument, match="use none, layer or every:K"):
+        verify(resolve("torch"), case)
+    every2 = verify(resolve("torch"), Case(model=ExternalConfig(MODEL),
+                                           granularity=parse_granularity("every:2")))
+    assert every2.passed
+
+
+@pytest.mark.parametrize("spec, message", [
+    ("user_models:wrong_segment", "segment 'blocks.9' is not a submodule"),
+    ("user_models:nosuch", "could not be imported"),
+    ("user_models", "is not 'package.module:attr'"),
+])
+def test_a_broken_factory_is_exit_2(spec: str, message: str,
+                                    capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["check", "--impl", "torch", "--model", spec]) == 2
+    assert message in capsys.readouterr().err
