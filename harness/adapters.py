@@ -64,6 +64,7 @@ BUILTINS: dict[str, tuple[Callable[..., Any], str]] = {
     "deepspeed": (peers.deepspeed_checkpoint, "function"),
     "deepspeed-nonreentrant": (peers.deepspeed_nonreentrant, "function"),
     "megatron": (peers.megatron_checkpoint, "function"),
+    "hf": (peers.hf_gradient_checkpointing, "toggle"),
 }
 
 

@@ -204,6 +204,10 @@ def _check(args: argparse.Namespace) -> int:
             Tolerance(case.dtype, args.rtol, args.atol)
         if args.model is not None:
             _check_model(args.model)
+        elif impl.spec == "hf":
+            raise InvalidArgument(
+                "--impl='hf' toggles a transformers model's own checkpointing: add --model "
+                "gradequiv.models.hf:llama (or :gpt2, or a factory of your own PreTrainedModel)")
         Tolerance("fp32", args.rtol, args.atol)
     except InvalidArgument as exc:
         raise _UsageError(str(exc)) from exc

@@ -132,6 +132,17 @@ class _StorageRecorder(TorchDispatchMode):  # type: ignore[no-untyped-call]
         return out
 
 
+def _leaves(item: Any) -> list[Tensor]:
+    """Every tensor in ``item``: a tensor, or any nesting of tuples, lists and dicts."""
+    if isinstance(item, Tensor):
+        return [item]
+    if isinstance(item, dict):
+        return [t for value in item.values() for t in _leaves(value)]
+    if isinstance(item, (tuple, list)):
+        return [t for value in item for t in _leaves(value)]
+    return []
+
+
 def _tensors(items: Iterable[Any]) -> Iterable[Tensor]:
     """Tensors of an op's tuple or list return, one level of lists deep (``Tensor[]``)."""
     for item in items:
@@ -196,9 +207,10 @@ class ActivationCounter(_ModeScope):
     def _new_mode(self) -> TorchDispatchMode:
         return _StorageRecorder(self._seen)
 
-    def _alive(self, ignore: Iterable[Tensor]) -> Iterable[torch.UntypedStorage]:
+    def _alive(self, ignore: Iterable[Any]) -> Iterable[torch.UntypedStorage]:
         skip = set(self._excluded)
-        for t in ignore:
+        # Outputs may be structures (a transformers ModelOutput is a dict): their tensors.
+        for t in (leaf for item in ignore for leaf in _leaves(item)):
             try:
                 skip.add(t.untyped_storage()._cdata)
             except (NotImplementedError, RuntimeError):

@@ -31,6 +31,7 @@ EXTRAS = {
     "deepspeed": ("deepspeed", "deepspeed"),
     "deepspeed-nonreentrant": ("deepspeed", "deepspeed"),
     "megatron": ("megatron", "megatron-core"),
+    "hf": ("hf", "transformers"),
 }
 
 
@@ -225,3 +226,33 @@ def require(spec: str, kwargs: dict[str, Any] | None = None) -> None:
         _deepspeed_checkpointing(spec)
     elif spec == "megatron":
         _megatron()
+    elif spec == "hf":
+        _library(spec, "transformers.modeling_layers")
+
+
+# -- transformers: the model's own gradient checkpointing (a toggle) ---------------------
+
+def hf_gradient_checkpointing(model: nn.Module, **checkpoint_kwargs: Any) -> None:
+    """``model.gradient_checkpointing_enable()`` of a transformers model, as users call it;
+    ``--impl-kwarg`` options become its ``gradient_checkpointing_kwargs`` (non-reentrant
+    unless ``use_reentrant=true``).
+
+    transformers turns recompute on for every decoder layer; the layers the
+    harness did not select are turned back off, so ``every:2`` means every
+    second layer here too. The model comes from ``--model`` (a factory of a
+    ``PreTrainedModel``, e.g. ``gradequiv.models.hf:llama``).
+    """
+    layers = _library("hf", "transformers.modeling_layers")
+    inner = getattr(model, "inner", model)
+    enable = getattr(inner, "gradient_checkpointing_enable", None)
+    if enable is None or not hasattr(inner, "config"):
+        raise InvalidArgument(
+            "--impl='hf' toggles a transformers model's own checkpointing: add --model "
+            "gradequiv.models.hf:llama (or :gpt2, or a factory of your own PreTrainedModel)")
+    enable(gradient_checkpointing_kwargs={"use_reentrant": False, **checkpoint_kwargs})
+    selected = getattr(model, "selected", None)
+    chosen = {id(m) for m in selected()} if selected is not None else None
+    for module in inner.modules():
+        if isinstance(module, layers.GradientCheckpointingLayer) and chosen is not None \
+                and id(module) not in chosen:
+            module.gradient_checkpointing = False

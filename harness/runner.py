@@ -189,6 +189,21 @@ def _copy_state(state: dict[str, Any]) -> dict[str, Any]:
     return {k: v.clone() if isinstance(v, Tensor) else v for k, v in state.items()}
 
 
+def _main_output(outputs: Any) -> Tensor:
+    """The tensor the outputs property compares: the output itself, or a structured output's
+    ``logits`` (transformers), or its first tensor."""
+    if isinstance(outputs, Tensor):
+        return outputs
+    logits = outputs.get("logits") if isinstance(outputs, dict) else None
+    if isinstance(logits, Tensor):
+        return logits
+    values = outputs.values() if isinstance(outputs, dict) else outputs
+    first = next((v for v in values if isinstance(v, Tensor)), None)
+    if first is None:
+        raise TypeError(f"the model returned {type(outputs).__name__} with no tensor in it")
+    return first
+
+
 def _forward(
     model: nn.Module, workload: Workload, inputs: tuple[Tensor | None, ...], case: Case,
     device: torch.device, measure: bool,
@@ -298,7 +313,7 @@ class _SegmentInputGrads:
 
 def _record(
     model: nn.Module, params: list[tuple[str, nn.Parameter]], inputs: tuple[Tensor | None, ...],
-    loss: Tensor, outputs: Tensor, grads_in: dict[str, Tensor], calls: dict[str, list[int]],
+    loss: Tensor, outputs: Any, grads_in: dict[str, Tensor], calls: dict[str, list[int]],
     device: torch.device,
 ) -> StepRecord:
     """Keep this step's observations.
@@ -317,7 +332,7 @@ def _record(
     rng = _rng_states(device)
     return StepRecord(
         loss=loss.detach(),
-        outputs=outputs.detach(),
+        outputs=_main_output(outputs).detach(),
         grads=grads,
         buffers={n: b.detach().clone() for n, b in model.named_buffers()},
         rng=rng,

@@ -2,11 +2,13 @@
 
 The reference models call their segments through the router; a user's model
 calls its own submodules directly. So each named segment's ``forward`` is
-replaced by one that hands the call to the router with a *shell*: a small
-module whose own forward calls the real submodule with routing switched off
-for that call. Whatever the implementation does with the shell (checkpoint
-it, wrap it, re-run it in backward), the real submodule runs through its
-``__call__``, so hooks (the harness counts recompute with them) see every run.
+replaced (on the instance) by one that hands the call to the router with a
+*shell*: a small module whose forward runs the submodule's original
+``forward``. Whatever the implementation does with the shell (checkpoint it,
+wrap it, re-run it in backward), every run goes through the shell's
+``__call__``, so its hooks (the harness counts recompute with them) see it;
+and a toggle that recomputes inside the submodule's own ``__call__`` (HF's
+layers) reaches the shell the same way.
 
 A factory is ``f(seed: int) -> UserModel``, named ``package.module:attr``
 like an implementation; it must build the same model and batch for the same
@@ -61,22 +63,19 @@ class UserModel:
 
 
 class _Shell(nn.Module):
-    """Calls the real segment with routing off for this one call (kept out of state_dict)."""
+    """The segment as the implementation sees it: calling it runs the user's submodule's
+    own ``forward`` body. Its hooks are the harness's view of every run, first or again."""
 
     real: nn.Module  # set past nn.Module's registration: the user's model owns it
+    body: Callable[..., Any]  # the submodule's original forward
 
-    def __init__(self, real: nn.Module, plain: dict[int, int]) -> None:
+    def __init__(self, real: nn.Module, body: Callable[..., Any]) -> None:
         super().__init__()
         object.__setattr__(self, "real", real)
-        self._plain = plain
+        object.__setattr__(self, "body", body)
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
-        key = id(self.real)
-        self._plain[key] = self._plain.get(key, 0) + 1
-        try:
-            return self.real(*args, **kwargs)
-        finally:
-            self._plain[key] -= 1
+        return self.body(*args, **kwargs)
 
 
 class ExternalModel(RoutedModel):
@@ -87,7 +86,6 @@ class ExternalModel(RoutedModel):
     def __init__(self, inner: nn.Module, segment_names: list[str]) -> None:
         super().__init__()
         self.inner = inner
-        self._plain: dict[int, int] = {}
         self._shells: list[tuple[str, _Shell]] = []
         attach_router(self)
         modules = dict(inner.named_modules())
@@ -97,24 +95,21 @@ class ExternalModel(RoutedModel):
                     f"segment {name!r} is not a submodule of the model; known names start "
                     f"with: {', '.join(sorted(n for n in modules if n)[:8])}")
             real = modules[name]
-            shell = _Shell(real, self._plain)
+            shell = _Shell(real, real.forward)
             object.__setattr__(shell, "router", self.router)
             self._shells.append((f"inner.{name}", shell))
             self._route(real, shell)
 
     def _route(self, real: nn.Module, shell: _Shell) -> None:
-        original = real.forward
-        router, plain = self.router, self._plain
+        router = self.router
 
         def forward(*args: Any, **kwargs: Any) -> Any:
-            if plain.get(id(real), 0):
-                return original(*args, **kwargs)
-            return router(shell, *args, **kwargs)
+            return router(shell, *args, **kwargs)  # the implementation, or the shell plainly
 
         object.__setattr__(real, "forward", forward)
 
     def segments(self, granularity: Granularity) -> list[Segment]:
-        every = [Segment(name, shell, (shell.real,)) for name, shell in self._shells]
+        every = [Segment(name, shell, (shell,)) for name, shell in self._shells]
         if isinstance(granularity, NoRecompute):
             return []
         if isinstance(granularity, EveryLayer):
@@ -124,6 +119,10 @@ class ExternalModel(RoutedModel):
         raise InvalidArgument(
             f"granularity={str(granularity)!r}: a --model case recomputes its named segments: "
             f"use none, layer or every:K")
+
+    def selected(self) -> list[nn.Module]:
+        """The user's submodules selected for recompute (for toggles that pick their own)."""
+        return [shell.real for _, shell in self._shells if self.router.installed(shell)]
 
     def forward(self, *inputs: Any) -> Any:
         return self.inner(*inputs)

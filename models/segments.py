@@ -51,9 +51,21 @@ class Router:
         """Route every installed segment through ``call``."""
         self._calls = dict.fromkeys(self._names, call)
 
-    def __call__(self, module: nn.Module, *args: Any, **kwargs: Any) -> Any:
+    def routes(self, module: nn.Module) -> bool:
+        """Whether calls of ``module`` go through an implementation."""
+        return id(module) in self._calls
+
+    def installed(self, module: nn.Module) -> bool:
+        """Whether ``module`` is one of the selected segments."""
+        return id(module) in self._names
+
+    def notify(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        """Tell ``on_call`` that segment ``module`` is called with these arguments."""
         if self.on_call is not None and id(module) in self._names:
             self.on_call(self._names[id(module)], args, kwargs)
+
+    def __call__(self, module: nn.Module, *args: Any, **kwargs: Any) -> Any:
+        self.notify(module, args, kwargs)
         call = self._calls.get(id(module))
         if call is None:
             return module(*args, **kwargs)

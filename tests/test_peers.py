@@ -134,3 +134,36 @@ def test_an_implementation_that_cannot_run_here_is_exit_2(
     assert main(["check", *args]) == 2
     err = capsys.readouterr().err
     assert message in err and err.count("\n") == 1
+
+
+def test_hf_toggle_passes_on_tiny_llama_and_gpt2_and_catches_a_missing_rng_restore() -> None:
+    needs("transformers")
+    from gradequiv.harness import Case
+    from gradequiv.models import ExternalConfig
+
+    for factory in ("gradequiv.models.hf:llama", "gradequiv.models.hf:gpt2"):
+        case = Case(model=ExternalConfig(factory), dtype="bf16-autocast")
+        assert bitwise_pass(verify(resolve("hf"), case))
+    broken = verify(resolve("hf", kwargs={"preserve_rng_state": False}),
+                    Case(model=ExternalConfig("gradequiv.models.hf:llama")))
+    assert "gradients" in failing(broken)
+
+
+def test_hf_toggle_keeps_recompute_to_the_selected_layers() -> None:
+    needs("transformers")
+    from gradequiv.harness import Case
+    from gradequiv.models import ExternalConfig, build, parse_granularity
+
+    workload = build(ExternalConfig("gradequiv.models.hf:llama"), Case().batch, 0, "cpu")
+    segments = workload.segments(parse_granularity("every:2"))
+    resolve("hf").install(workload.model, segments)
+    layers = workload.model.inner.model.layers  # type: ignore[union-attr]
+    assert [layer.gradient_checkpointing for layer in layers] == [True, False]
+
+
+def test_hf_without_a_transformers_model_is_exit_2(capsys: pytest.CaptureFixture[str]) -> None:
+    needs("transformers")
+    from gradequiv.harness.cli import main
+
+    assert main(["check", "--impl", "hf"]) == 2
+    assert "add --model gradequiv.models.hf:llama" in capsys.readouterr().err
