@@ -204,7 +204,7 @@ def _check(args: argparse.Namespace) -> int:
             Tolerance(case.dtype, args.rtol, args.atol)
         if args.model is not None:
             _check_model(args.model)
-        elif impl.spec == "hf":
+        elif impl.spec == "hf" and (args.case is None or case.model_kind != "external"):
             raise InvalidArgument(
                 "--impl='hf' toggles a transformers model's own checkpointing: add --model "
                 "gradequiv.models.hf:llama (or :gpt2, or a factory of your own PreTrainedModel)")
