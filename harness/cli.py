@@ -80,6 +80,13 @@ def _implementation_options(command: argparse.ArgumentParser) -> None:
                          help="keyword argument forwarded to the implementation (repeatable)")
 
 
+def _implementation(args: argparse.Namespace) -> Any:
+    """The implementation named by the options of :func:`_implementation_options`."""
+    from gradequiv.harness.adapters import parse_impl_kwargs, resolve
+
+    return resolve(args.impl, adapter=args.adapter, kwargs=parse_impl_kwargs(args.impl_kwarg))
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="gradequiv", description=(
         "Prove that an activation-recompute implementation gives the same gradients as "
@@ -191,13 +198,12 @@ def _check(args: argparse.Namespace) -> int:
     # torch is imported here, not at module import, so --help and usage errors stay fast.
     import torch
 
-    from gradequiv.harness.adapters import parse_impl_kwargs, resolve
     from gradequiv.harness.compare import Tolerance
     from gradequiv.harness.spread import load_case
     from gradequiv.models import InvalidArgument
 
     try:
-        impl = resolve(args.impl, adapter=args.adapter, kwargs=parse_impl_kwargs(args.impl_kwarg))
+        impl = _implementation(args)
         device = _device(args.device, torch)
         if args.case is not None:
             case = load_case(args.case)
@@ -205,9 +211,9 @@ def _check(args: argparse.Namespace) -> int:
         if args.model is not None:
             _check_model(args.model)
         elif impl.spec == "hf" and (args.case is None or case.model_kind != "external"):
-            raise InvalidArgument(
-                "--impl='hf' toggles a transformers model's own checkpointing: add --model "
-                "gradequiv.models.hf:llama (or :gpt2, or a factory of your own PreTrainedModel)")
+            from gradequiv.harness.peers import HF_NEEDS_MODEL
+
+            raise InvalidArgument(HF_NEEDS_MODEL)
         Tolerance("fp32", args.rtol, args.atol)
     except InvalidArgument as exc:
         raise _UsageError(str(exc)) from exc
@@ -316,14 +322,13 @@ def _profile(args: argparse.Namespace) -> int:
     import torch
 
     from gradequiv.harness import profile as profiling
-    from gradequiv.harness.adapters import parse_impl_kwargs, resolve
     from gradequiv.harness.case import Case
     from gradequiv.harness.report import write_json_atomic
     from gradequiv.models import BatchConfig, InvalidArgument, TransformerConfig
     from gradequiv.models import parse_granularity as parse
 
     try:
-        impl = resolve(args.impl, adapter=args.adapter, kwargs=parse_impl_kwargs(args.impl_kwarg))
+        impl = _implementation(args)
         device = _device(args.device, torch)
         granularities = [parse(text) for text in args.granularity.split(",") if text.strip()]
         if not granularities:
@@ -359,7 +364,6 @@ def _profile(args: argparse.Namespace) -> int:
 
 
 def _distributed(args: argparse.Namespace) -> int:
-    from gradequiv.harness.adapters import parse_impl_kwargs, resolve
     from gradequiv.harness.distributed import WRAPPERS, verify_distributed
     from gradequiv.harness.spread import load_case
     from gradequiv.models import InvalidArgument
@@ -367,7 +371,7 @@ def _distributed(args: argparse.Namespace) -> int:
     wrappers = list(WRAPPERS) if args.wrapper == "both" else [args.wrapper]
     failed = False
     try:
-        impl = resolve(args.impl, adapter=args.adapter, kwargs=parse_impl_kwargs(args.impl_kwarg))
+        impl = _implementation(args)
         case = load_case(args.case)
         for wrapper in wrappers:
             backend = "NCCL" if args.device == "cuda" else "gloo"

@@ -232,6 +232,11 @@ def require(spec: str, kwargs: dict[str, Any] | None = None) -> None:
 
 # -- transformers: the model's own gradient checkpointing (a toggle) ---------------------
 
+HF_NEEDS_MODEL = (
+    "--impl='hf' toggles a transformers model's own checkpointing: add --model "
+    "gradequiv.models.hf:llama (or :gpt2, or a factory of your own PreTrainedModel)")
+
+
 def hf_gradient_checkpointing(model: nn.Module, **checkpoint_kwargs: Any) -> None:
     """``model.gradient_checkpointing_enable()`` of a transformers model, as users call it;
     ``--impl-kwarg`` options become its ``gradient_checkpointing_kwargs`` (non-reentrant
@@ -246,9 +251,7 @@ def hf_gradient_checkpointing(model: nn.Module, **checkpoint_kwargs: Any) -> Non
     inner = getattr(model, "inner", model)
     enable = getattr(inner, "gradient_checkpointing_enable", None)
     if enable is None or not hasattr(inner, "config"):
-        raise InvalidArgument(
-            "--impl='hf' toggles a transformers model's own checkpointing: add --model "
-            "gradequiv.models.hf:llama (or :gpt2, or a factory of your own PreTrainedModel)")
+        raise InvalidArgument(HF_NEEDS_MODEL)
     enable(gradient_checkpointing_kwargs={"use_reentrant": False, **checkpoint_kwargs})
     selected = getattr(model, "selected", None)
     chosen = {id(m) for m in selected()} if selected is not None else None
