@@ -54,9 +54,6 @@ def replay_passes(impl: Implementation, failure: dict[str, Any]) -> bool:
     return _failure(failure["property"], verdict) == ""
 
 
-_LOCATED: dict[tuple[str, str], Any] = {}
-
-
 def locate(impl: Implementation, failure: dict[str, Any]) -> None:
     """Add to a minimal failure the first recompute op that differs from the original
     forward (``localisation``, and ``first_diverging_op`` when one is found)."""
@@ -64,9 +61,10 @@ def locate(impl: Implementation, failure: dict[str, Any]) -> None:
 
     case = Case.from_dict(failure["case"])
     key = (repr((impl.spec, impl.adapter, sorted(impl.kwargs.items()))), case.to_json())
-    if key not in _LOCATED:  # the failing tests of one run often share their minimal case
-        _LOCATED[key] = localise(impl, case, runtime.resolve_device(runtime.OPTIONS.device))
-    found = _LOCATED[key]
+    located = runtime.CACHE.located  # the failing tests of a run often share their minimal case
+    if key not in located:
+        located[key] = localise(impl, case, runtime.resolve_device(runtime.OPTIONS.device))
+    found = located[key]
     failure["localisation"] = found.describe()
     failure["first_diverging_op"] = found.divergence.to_dict() if found.divergence else None
 

@@ -93,6 +93,8 @@ class VerdictCache:
     def __init__(self) -> None:
         self._verdicts: dict[tuple[str, str, str], Verdict] = {}
         self.on_verdict: Callable[[Verdict], None] | None = None
+        #: localisations of minimal failures, by (implementation, case): tests share them
+        self.located: dict[tuple[str, str], Any] = {}
 
     def verify(self, impl: Implementation, case: Case, device: Any) -> tuple[Verdict, bool]:
         """The verdict, and whether it was computed now (False: from the cache)."""
@@ -111,6 +113,7 @@ class VerdictCache:
 
     def clear(self) -> None:
         self._verdicts.clear()
+        self.located.clear()
 
 
 CACHE = VerdictCache()
