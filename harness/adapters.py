@@ -23,7 +23,7 @@ from typing import Any, cast
 
 from torch import nn
 
-from gradequiv.harness import peers
+from gradequiv.harness import compiled, peers
 from gradequiv.models import InvalidArgument, Segment
 from gradequiv.models.segments import Router
 
@@ -76,6 +76,7 @@ class Implementation:
     target: Callable[..., Any]
     adapter: str = "function"
     kwargs: dict[str, Any] = field(default_factory=dict)
+    compiled: compiled.CompileSpec | None = None  # set for the compile-... SPECs
 
     def __post_init__(self) -> None:
         if self.adapter not in ADAPTERS:
@@ -162,6 +163,13 @@ def resolve(
             f"--impl={spec!r} is empty; name a built-in ({', '.join(BUILTINS)}) "
             f"or a 'module:attr' reference"
         )
+    if compiled.is_compile_spec(spec):
+        chosen_spec = compiled.parse(spec)
+        if adapter not in (None, "function"):
+            raise InvalidArgument(f"--impl={spec!r} is a compiler setting; it takes no "
+                                  f"--adapter (drop --adapter={adapter})")
+        return Implementation(spec, compiled.segment_call(chosen_spec), "function",
+                              dict(kwargs or {}), compiled=chosen_spec)
     if spec in BUILTINS:
         target, default_adapter = BUILTINS[spec]
         peers.require(spec, kwargs)  # a missing library or bad option: exit 2 before any case

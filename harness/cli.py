@@ -72,7 +72,8 @@ def _implementation_options(command: argparse.ArgumentParser) -> None:
     """--impl, --adapter, --impl-kwarg: the same for every command that runs an implementation."""
     command.add_argument("--impl", required=True, metavar="SPEC", help=(
         "a built-in name (torch, torch-reentrant, torch-sac, torch-wrapper, fairscale, "
-        "deepspeed, deepspeed-nonreentrant, megatron), an entry point in "
+        "deepspeed, deepspeed-nonreentrant, megatron, hf), a compiler setting "
+        "(compile-budget:X, compile-sac:POLICY, compile-torch), an entry point in "
         "'gradequiv.implementations', or 'package.module:attr'"))
     command.add_argument("--adapter", choices=("function", "wrapper", "toggle"), default=None,
                          help="how the implementation is called (default: function)")

@@ -167,6 +167,10 @@ class _Tracker:
 def localise(impl: Implementation, case: Case, device: str | torch.device = "cpu") -> Localisation:
     """Run ``case``'s first step through ``impl`` with every segment op recorded; compare."""
     device = torch.device(device)
+    if impl.compiled is not None:
+        return Localisation(None, f"{impl.spec} recomputes inside a compiled graph, whose fused "
+                                  f"kernels leave no op-level record to compare; the op-level "
+                                  f"search needs an eager implementation")
     workload = build(case.model, case.batch, case.seed, device)
     model = workload.model
     segments = workload.segments(case.granularity)

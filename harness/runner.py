@@ -30,6 +30,7 @@ from torch import Tensor, nn
 
 from gradequiv.harness.adapters import Implementation
 from gradequiv.harness.case import Case
+from gradequiv.harness.compiled import CompileSettings, SavedBytes, compile_model
 from gradequiv.harness.memory import ActivationCounter
 from gradequiv.models import Segment, Workload, build
 from gradequiv.models.segments import RoutedModel
@@ -93,8 +94,14 @@ def run_path(
     device: torch.device,
     count_memory: bool = False,
     start_from: PathRun | None = None,
+    compiled: CompileSettings | None = None,
 ) -> PathRun:
     """Train ``case`` for its steps; ``impl=None`` is the full-storage path.
+
+    With ``compiled``, the model runs compiled whole under those settings.
+    Python cannot watch inside a compiled graph, so segment forward calls and
+    segment-input gradients are not observed there, and held bytes are what
+    the graph saves for backward (``SavedBytes``).
 
     With ``start_from`` (the reference path), every step after the first
     begins from the state the reference had there, so a fault is reported at
@@ -115,8 +122,9 @@ def run_path(
             else:
                 model.router.install(segments, None)
             phase = _Phase()
-            calls = _count_calls(model, segments, phase)
-            grads_in = _SegmentInputGrads(model, segments)
+            calls = {} if compiled else _count_calls(model, segments, phase)
+            grads_in = _SegmentInputGrads(model, [] if compiled else segments)
+            call = model if compiled is None else compile_model(model, compiled)
             inputs = _fresh_inputs(workload)
             params = list(model.named_parameters())
             optimizer = torch.optim.SGD([p for _, p in params], lr=LEARNING_RATE,
@@ -137,7 +145,8 @@ def run_path(
                 grads_in.reset()
                 where = f"step {step} forward"
                 measure = count_memory and step == 1
-                outputs, loss, held = _forward(model, workload, inputs, case, device, measure)
+                outputs, loss, held = _forward(call, workload, inputs, case, device, measure,
+                                               compiled=compiled is not None)
                 if measure:
                     run.held_bytes = held
                 where = f"step {step} backward"
@@ -206,7 +215,7 @@ def _main_output(outputs: Any) -> Tensor:
 
 def _forward(
     model: nn.Module, workload: Workload, inputs: tuple[Tensor | None, ...], case: Case,
-    device: torch.device, measure: bool,
+    device: torch.device, measure: bool, compiled: bool = False,
 ) -> tuple[Tensor, Tensor, int | None]:
     """One forward and loss, under the case's autocast, optionally counting held bytes."""
     autocast = case.autocast(device)
@@ -215,6 +224,11 @@ def _forward(
             outputs = model(*inputs)
             return outputs, workload.loss_fn(outputs, workload.targets), None
     never = [*model.parameters(), *model.buffers(), *(t for t in inputs if t is not None)]
+    if compiled:
+        with SavedBytes(exclude=never) as saved, autocast:
+            outputs = model(*inputs)
+            loss = workload.loss_fn(outputs, workload.targets)
+        return outputs, loss, saved.held_bytes
     with ActivationCounter(exclude=never) as counter, autocast:
         outputs = model(*inputs)
         loss = workload.loss_fn(outputs, workload.targets)
@@ -275,7 +289,8 @@ class _SegmentInputGrads:
         self._seen: dict[int, weakref.ref[Tensor]] = {}
         self._modules = {s.name: s.module for s in segments}
         self._signatures: dict[type, inspect.Signature] = {}
-        model.router.on_call = self._on_call
+        if segments:
+            model.router.on_call = self._on_call
 
     def reset(self) -> None:
         self.grads = {}

@@ -90,6 +90,21 @@ def extra_cases() -> list[Case]:
     ]
 
 
+def compile_cases() -> list[Case]:
+    """The spread for compiled implementations (``compile-...``).
+
+    Few models, because each compiles for seconds per setting; every drawn
+    compiled case reuses one of these models (only its seed and precision
+    vary), so its graphs are compiled once per run.
+    """
+    return [
+        _case("compile-2L-layer-nodropout", _SMALL, "layer", seed=30),
+        _case("compile-2L-layer-dropout", replace(_SMALL, **_ALL_DROPOUT), "layer", seed=31),
+        _case("compile-2L-layer-manual-attn-dropout",
+              replace(_SMALL, attention="manual", **_ALL_DROPOUT), "layer", seed=32),
+    ]
+
+
 def load_case(text: str) -> Case:
     """A case from ``--case``: its JSON, a file holding that JSON, or a case name."""
     if text.lstrip().startswith("{"):
@@ -104,11 +119,12 @@ def load_case(text: str) -> Case:
 
 
 def find_case(name: str) -> Case:
-    """A named case from either list; a clear error lists the names."""
-    for case in default_cases() + extra_cases():
+    """A named case from any of the lists; a clear error lists the names."""
+    known = default_cases() + extra_cases() + compile_cases()
+    for case in known:
         if case.name == name:
             return case
-    names = ", ".join(c.name for c in default_cases() + extra_cases())
+    names = ", ".join(c.name for c in known)
     raise InvalidArgument(
         f"--case={name!r} is neither a case name nor a JSON object; known names: {names}"
     )

@@ -9,11 +9,13 @@ restoration.
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any
 
 from hypothesis import strategies as st
 
 from gradequiv.harness.case import Case
+from gradequiv.harness.spread import compile_cases
 from gradequiv.models import (
     BatchConfig,
     BatchNormConfig,
@@ -30,6 +32,7 @@ __all__ = [
     "batch_configs",
     "batchnorm_cases",
     "cases",
+    "compiled_cases",
     "dropout_regimes",
     "dtype_regimes",
     "external_cases",
@@ -192,6 +195,15 @@ def external_cases(factory: str, *, device: str = "cpu") -> st.SearchStrategy[Ca
     return st.builds(Case, model=st.just(model),
                      granularity=st.sampled_from(["layer", "every:2"]).map(parse_granularity),
                      dtype=dtype_regimes(device=device), seed=seeds())
+
+
+def compiled_cases(*, device: str = "cpu") -> st.SearchStrategy[Case]:
+    """Return a strategy for cases of compiled implementations: a model of the compile
+    spread (whose graphs are then compiled already), with a drawn precision and seed.
+    Shrinks towards the model without dropout, fp32, seed 0.
+    """
+    return st.builds(lambda case, dtype, seed: replace(case, dtype=dtype, seed=seed, name=""),
+                     st.sampled_from(compile_cases()), dtype_regimes(device=device), seeds())
 
 
 @st.composite

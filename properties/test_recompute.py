@@ -17,10 +17,11 @@ from hypothesis import HealthCheck, Phase, given, seed, settings
 from hypothesis import strategies as st
 
 from gradequiv.harness import PROPERTIES, Case, Implementation, default_cases, find_case
-from gradequiv.harness.spread import load_case
+from gradequiv.harness.compiled import is_compile_spec
+from gradequiv.harness.spread import compile_cases, load_case
 from gradequiv.properties import runtime
 from gradequiv.properties.assertions import assert_property
-from gradequiv.properties.strategies import cases, external_cases
+from gradequiv.properties.strategies import cases, compiled_cases, external_cases
 
 OPTIONS = runtime.OPTIONS
 
@@ -31,6 +32,8 @@ def _drawn_cases() -> st.SearchStrategy[Case]:
     device = runtime.resolve_device(OPTIONS.device).type
     if OPTIONS.model is not None:
         return external_cases(OPTIONS.model, device=device)
+    if is_compile_spec(OPTIONS.impl):
+        return compiled_cases(device=device)
     return cases(device=device, models=OPTIONS.models)
 
 
@@ -82,9 +85,10 @@ def test_recompute(recompute_impl: Implementation, case: Case, request: Any) -> 
 
 
 def _spread() -> list[Case]:
-    """The fixed spread: ours, or for a user's model every segment in each precision."""
+    """The fixed spread: ours (the compile spread for compiled implementations), or for a
+    user's model every segment in each precision."""
     if OPTIONS.model is None:
-        return default_cases()
+        return compile_cases() if is_compile_spec(OPTIONS.impl) else default_cases()
     from gradequiv.models import ExternalConfig
 
     model = ExternalConfig(OPTIONS.model)
