@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # The CUDA checks, as one short script for a machine with one NVIDIA GPU
-# (under 8 minutes on one GPU). Installs nothing from the network: run it in
-# an environment where gradequiv[test] and a CUDA build of torch are
-# installed (pip install -e '.[test]' against a CUDA torch wheel).
+# (about 10 minutes on one GPU, an estimate: not yet run). Installs nothing
+# from the network: run it in an environment where gradequiv[test] and a
+# CUDA build of torch are installed (pip install -e '.[test]' against a CUDA
+# torch wheel).
 #
 # Usage: ci/gpu-check.sh [OUT_DIR]   (default gpu-check/)
 # Prints a summary at the end; exit 0 only if every step did what it must:
@@ -11,7 +12,9 @@
 #   3. gradequiv mutants --device cuda, the CUDA-only mutant live (exit 0),
 #   4. gradequiv profile --device cuda (allocator figures beside the count),
 #   5. every report format,
-#   6. with 2 or more GPUs, DDP and FSDP over NCCL (gradequiv distributed).
+#   6. offload (save_on_cpu): exact, and the bytes leave the GPU (check and profile),
+#   7. the compile regime on CUDA (inductor with Triton): one budget, one SAC policy,
+#   8. with 2 or more GPUs, DDP and FSDP over NCCL (gradequiv distributed).
 set -uo pipefail
 out=${1:-gpu-check}
 mkdir -p "$out"
@@ -46,6 +49,10 @@ step check-no-rng 1 gradequiv check --impl torch --impl-kwarg preserve_rng_state
 step mutants 0 gradequiv mutants --device cuda --examples 10 --report-dir "$out/torch"
 step profile 0 gradequiv profile --impl torch --device cuda --steps 20 --report-dir "$out/torch"
 step reports 0 gradequiv report "$out/torch" --format all
+step check-offload 0 gradequiv check --impl torch-offload --device cuda --examples 10 --report-dir "$out/offload"
+step profile-offload 0 gradequiv profile --impl torch-offload --device cuda --steps 5 --report-dir "$out/offload"
+step compile-budget 0 gradequiv check --impl compile-budget:0.5 --device cuda --examples 5 --report-dir "$out/compile-budget"
+step compile-sac 0 gradequiv check --impl compile-sac:matmuls --device cuda --examples 5 --report-dir "$out/compile-sac"
 gpus=$(python -c "import torch; print(torch.cuda.device_count())")
 if ((gpus >= 2)); then
     step distributed-nccl 0 gradequiv distributed --impl torch --device cuda

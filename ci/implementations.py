@@ -78,10 +78,11 @@ ROWS: dict[str, list[tuple[str, str, dict[str, Any]]]] = {"hf": [
     ("use_reentrant=true, Llama", _hf("llama"), {"use_reentrant": True}),
     ("preserve_rng_state=false, Llama", _hf("llama"), {"preserve_rng_state": False}),
 ]}
-IMPLEMENTATIONS = ["torch", "torch-reentrant", "torch-sac", "torch-wrapper", "fairscale",
-                   "deepspeed", "deepspeed-nonreentrant", "megatron", "hf"]
-LIBRARIES = {"torch-sac": "torch", "torch-wrapper": "torch", "torch": "torch",
-             "torch-reentrant": "torch"} | {spec: dist for spec, (_, dist) in EXTRAS.items()}
+IMPLEMENTATIONS = ["torch", "torch-reentrant", "torch-sac", "torch-wrapper", "torch-offload",
+                   "torch-offload-wrapper", "fairscale", "deepspeed", "deepspeed-nonreentrant",
+                   "megatron", "hf"]
+LIBRARIES = {spec: "torch" for spec in IMPLEMENTATIONS if spec.startswith("torch")} | {
+    spec: dist for spec, (_, dist) in EXTRAS.items()}
 
 _FAIRSCALE_AUTOCAST = (
     "fairscale/nn/checkpoint/checkpoint_activations.py: `CheckpointFunction.forward` records "

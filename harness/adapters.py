@@ -60,6 +60,8 @@ BUILTINS: dict[str, tuple[Callable[..., Any], str]] = {
     "torch-reentrant": (torch_reentrant_checkpoint, "function"),
     "torch-sac": (peers.torch_sac, "function"),
     "torch-wrapper": (peers.torch_wrapper, "wrapper"),
+    "torch-offload": (peers.torch_offload, "function"),
+    "torch-offload-wrapper": (peers.torch_offload_wrapper, "wrapper"),
     "fairscale": (peers.fairscale_wrapper, "wrapper"),
     "deepspeed": (peers.deepspeed_checkpoint, "function"),
     "deepspeed-nonreentrant": (peers.deepspeed_nonreentrant, "function"),
@@ -77,6 +79,12 @@ class Implementation:
     adapter: str = "function"
     kwargs: dict[str, Any] = field(default_factory=dict)
     compiled: compiled.CompileSpec | None = None  # set for the compile-... SPECs
+
+    @property
+    def offloads(self) -> bool:
+        """Whether it keeps activations in host memory instead of recomputing them
+        (``gradequiv_strategy = "offload"`` on the target)."""
+        return getattr(self.target, "gradequiv_strategy", "recompute") == peers.OFFLOAD
 
     def __post_init__(self) -> None:
         if self.adapter not in ADAPTERS:

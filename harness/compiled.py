@@ -181,7 +181,7 @@ class SavedBytes:
 
     def __init__(self, exclude: list[Tensor]) -> None:
         self._exclude = {_key(t) for t in exclude}
-        self._storages: dict[int, int] = {}
+        self._storages: dict[int, tuple[str, int]] = {}
         self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, _unpack)
 
     def __enter__(self) -> SavedBytes:
@@ -194,12 +194,14 @@ class SavedBytes:
     def _pack(self, t: Tensor) -> Tensor:
         key = _key(t)
         if key not in self._exclude:
-            self._storages[key] = t.untyped_storage().nbytes()
+            self._storages[key] = (str(t.device), t.untyped_storage().nbytes())
         return t
 
-    @property
-    def held_bytes(self) -> int:
-        return sum(self._storages.values())
+    def held_bytes_by_device(self) -> dict[str, int]:
+        held: dict[str, int] = {}
+        for device, nbytes in self._storages.values():
+            held[device] = held.get(device, 0) + nbytes
+        return held
 
 
 def _key(t: Tensor) -> int:

@@ -229,6 +229,15 @@ class ActivationCounter(_ModeScope):
         """
         return sum(storage.nbytes() for storage in self._alive(ignore))
 
+    def held_bytes_by_device(self, *, ignore: Iterable[Tensor] = ()) -> dict[str, int]:
+        """``held_bytes`` split by the device each storage lives on ("cpu", "cuda:0"):
+        where an offload put what it keeps."""
+        held: dict[str, int] = {}
+        for storage in self._alive(ignore):
+            device = str(storage.device)
+            held[device] = held.get(device, 0) + storage.nbytes()
+        return held
+
     def held_storages(self, *, ignore: Iterable[Tensor] = ()) -> int:
         """How many storages ``held_bytes`` counts, empty ones left out, for diagnostics."""
         return sum(1 for storage in self._alive(ignore) if storage.nbytes())

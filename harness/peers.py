@@ -124,6 +124,43 @@ def torch_wrapper(module: nn.Module, *, reentrant: bool = False, **kwargs: Any) 
     return checkpoint_wrapper(module, checkpoint_impl=impl, **kwargs)
 
 
+# -- torch: activation offload ---------------------------------------------------------------
+
+OFFLOAD = "offload"
+
+
+def _offloads(target: Callable[..., Any]) -> Callable[..., Any]:
+    """Mark ``target`` as keeping activations in host memory instead of recomputing them;
+    users mark their own the same way (``gradequiv_strategy = "offload"``)."""
+    target.gradequiv_strategy = OFFLOAD  # type: ignore[attr-defined]
+    return target
+
+
+@_offloads
+def torch_offload(function: Callable[..., Any], *args: Any, pin_memory: bool | None = None,
+                  **kwargs: Any) -> Any:
+    """The segment under ``torch.autograd.graph.save_on_cpu``: what autograd saves for
+    backward is copied to host memory and brought back in backward; nothing is recomputed.
+
+    ``pin_memory`` (``--impl-kwarg pin_memory=...``) defaults to whether the segment's
+    inputs are on CUDA (pinned host memory makes the copies asynchronous).
+    """
+    if pin_memory is None:
+        pin_memory = any(isinstance(a, torch.Tensor) and a.is_cuda for a in args)
+    if not isinstance(pin_memory, bool):
+        raise InvalidArgument(f"--impl-kwarg pin_memory={pin_memory!r} must be true or false")
+    with torch.autograd.graph.save_on_cpu(pin_memory=pin_memory):
+        return function(*args, **kwargs)
+
+
+@_offloads
+def torch_offload_wrapper(module: nn.Module) -> nn.Module:
+    """torch.distributed.algorithms' ``offload_wrapper``: save_on_cpu around the module."""
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import offload_wrapper
+
+    return offload_wrapper(module)
+
+
 # -- fairscale ------------------------------------------------------------------------------
 
 class _Call(nn.Module):

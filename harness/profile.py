@@ -40,6 +40,7 @@ class GranularityProfile:
     overhead_vs_none: float = 0.0  # p50 step time / that of "none" - 1
     memory_saved_vs_none: float = 0.0  # 1 - held bytes / those of "none"
     on_frontier: bool = False
+    held_on: dict[str, int] = field(default_factory=dict)  # held bytes by device (offload)
     # CUDA only (None elsewhere): the caching allocator's own view of the same step.
     cuda_allocated_held_bytes: int | None = None  # memory_allocated() after forward - before
     cuda_requested_held_bytes: int | None = None  # the same for requested_bytes (no rounding)
@@ -176,6 +177,7 @@ class _Runner:
         self.forward_s: list[float] = []
         self.backward_s: list[float] = []
         self.recompute_s: list[float] = []
+        self.held_on: dict[str, int] = {}
 
     def memory(self) -> dict[str, int | None]:
         """Bytes held between forward and backward, the peak during backward, and on CUDA
@@ -188,6 +190,7 @@ class _Runner:
             loss = self.workload.loss_fn(out, self.workload.targets)
         allocator.after_forward()
         held = counter.held_bytes(ignore=[out, loss])
+        self.held_on = counter.held_bytes_by_device(ignore=[out, loss])
         seed = torch.ones_like(loss)
         with BackwardPeak(counter, ignore=[out, loss]) as peak:
             loss.backward(seed)  # type: ignore[no-untyped-call]  # untyped in torch
@@ -256,7 +259,7 @@ def profile(
             forward_s=statistics.median(runner.forward_s),
             backward_s=statistics.median(runner.backward_s),
             recompute_s=statistics.median(runner.recompute_s),
-            tokens_per_s=tokens / step["p50"]))
+            tokens_per_s=tokens / step["p50"], held_on=runner.held_on))
     baseline = next((r for r in rows if r.granularity == "none"), None)
     if baseline is not None:
         for row in rows:
@@ -292,6 +295,14 @@ def markdown(result: ProfileResult) -> str:
             f"{r.forward_s * 1e3:.1f} | {r.backward_s * 1e3:.1f} | {r.recompute_s * 1e3:.1f} | "
             f"{r.tokens_per_s:,.0f} | "
             f"{'yes' if r.on_frontier else ''} |")
+    devices = sorted({d for r in result.rows for d in r.held_on})
+    if len(devices) > 1:  # an offload on an accelerator: where the held bytes went
+        lines += ["", "Where the activation bytes were held:", "",
+                  "| granularity | " + " | ".join(devices) + " |",
+                  "|---|" + "---|" * len(devices)]
+        lines += [f"| {r.granularity} | " + " | ".join(f"{r.held_on.get(d, 0):,}"
+                                                       for d in devices) + " |"
+                  for r in result.rows]
     if any(r.cuda_max_allocated_bytes is not None for r in result.rows):
         lines += ["", "CUDA caching allocator, same step (output and loss included, so a "
                   "little above the count):", "",

@@ -83,6 +83,7 @@ def verdict_record(impl: Implementation, verdict: Verdict, device: torch.device)
         "warnings": verdict.warnings,
         "seconds": verdict.seconds,
         "held_bytes": verdict.held_bytes,
+        "held_on": verdict.held_on,
         "properties": properties,
     }
     return record

@@ -56,6 +56,7 @@ class PathRun:
     steps: list[StepRecord] = field(default_factory=list)
     params: dict[str, Tensor] = field(default_factory=dict)  # after the last optimizer step
     held_bytes: int | None = None  # activation bytes alive between forward and backward, step 1
+    held_on: dict[str, int] | None = None  # the same bytes by device ("cpu", "cuda:0")
     seconds: float = 0.0
     error: str | None = None  # traceback of an exception raised inside the path
     error_at: str = ""  # "step 1 forward", "step 2 backward", ...
@@ -147,8 +148,8 @@ def run_path(
                 measure = count_memory and step == 1
                 outputs, loss, held = _forward(call, workload, inputs, case, device, measure,
                                                compiled=compiled is not None)
-                if measure:
-                    run.held_bytes = held
+                if measure and held is not None:
+                    run.held_on, run.held_bytes = held, sum(held.values())
                 where = f"step {step} backward"
                 with phase.backward():
                     loss.backward()  # type: ignore[no-untyped-call]  # untyped in torch
@@ -216,8 +217,9 @@ def _main_output(outputs: Any) -> Tensor:
 def _forward(
     model: nn.Module, workload: Workload, inputs: tuple[Tensor | None, ...], case: Case,
     device: torch.device, measure: bool, compiled: bool = False,
-) -> tuple[Tensor, Tensor, int | None]:
-    """One forward and loss, under the case's autocast, optionally counting held bytes."""
+) -> tuple[Tensor, Tensor, dict[str, int] | None]:
+    """One forward and loss, under the case's autocast, optionally counting held bytes
+    (by device)."""
     autocast = case.autocast(device)
     if not measure:
         with autocast:
@@ -228,11 +230,11 @@ def _forward(
         with SavedBytes(exclude=never) as saved, autocast:
             outputs = model(*inputs)
             loss = workload.loss_fn(outputs, workload.targets)
-        return outputs, loss, saved.held_bytes
+        return outputs, loss, saved.held_bytes_by_device()
     with ActivationCounter(exclude=never) as counter, autocast:
         outputs = model(*inputs)
         loss = workload.loss_fn(outputs, workload.targets)
-    return outputs, loss, counter.held_bytes(ignore=[outputs, loss])
+    return outputs, loss, counter.held_bytes_by_device(ignore=[outputs, loss])
 
 
 def _seed_stream(seed: int, device: torch.device) -> None:

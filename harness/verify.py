@@ -91,6 +91,7 @@ class Verdict:
     warnings: list[str] = field(default_factory=list)
     seconds: dict[str, float] = field(default_factory=dict)
     held_bytes: dict[str, int | None] = field(default_factory=dict)
+    held_on: dict[str, dict[str, int] | None] = field(default_factory=dict)  # path -> device
 
     @property
     def passed(self) -> bool:
@@ -146,7 +147,10 @@ def verify(
         ]
         return verdict
     started = time.perf_counter()
+    verdict.held_on = {"full": full.held_on, "recompute": recompute.held_on}
     verdict.properties = _check_all(case, full, floor, recompute, tolerance, impl.compiled)
+    if impl.offloads:  # the last property asks another question of an offload
+        verdict.properties[-1] = _check_offload(case, full, recompute, device)
     verdict.seconds["compare"] = time.perf_counter() - started
     return verdict
 
@@ -294,6 +298,42 @@ def _check_recompute(case: Case, full: PathRun, rc: PathRun, result: PropertyRes
             f"activation bytes held between forward and backward: {held_rc} on the recompute "
             f"path, {held_full} on the full-storage path; nothing was freed"
         )
+
+
+def _check_offload(case: Case, full: PathRun, rc: PathRun,
+                   device: torch.device) -> PropertyResult:
+    """An offload keeps what autograd saves in host memory: each selected segment runs once
+    in forward and never again, and on an accelerator fewer bytes stay on it."""
+    result = PropertyResult("recompute", True)
+    if isinstance(case.granularity, NoRecompute):
+        result.passed, result.summary = None, "no segment selected (granularity none)"
+        return result
+    for k, (step_rc, step_full) in enumerate(zip(rc.steps, full.steps), start=1):
+        for module, (fwd, bwd) in step_rc.calls.items():
+            full_fwd = step_full.calls.get(module, [0, 0])[0]
+            if fwd != full_fwd or bwd != 0:
+                result.failures.append(
+                    f"step {k}: {module} ran {fwd} time(s) in forward (full storage: "
+                    f"{full_fwd}) and {bwd} in backward; an offload runs each segment once "
+                    f"and re-runs nothing")
+    on_rc, on_full = rc.held_on or {}, full.held_on or {}
+    host_rc = on_rc.get("cpu", 0)
+    if device.type == "cpu":
+        result.summary = (f"each segment ran once and not again in backward; on a CPU device "
+                          f"the host is the device, so nothing can move off it ({host_rc} "
+                          f"bytes held, {on_full.get('cpu', 0)} with full storage)")
+    else:
+        name = str(device) if device.index is not None else f"{device.type}:0"
+        kept, before = on_rc.get(name, 0), on_full.get(name, 0)
+        if kept >= before:
+            result.failures.append(f"activation bytes on {name} between forward and backward: "
+                                   f"{kept} with offload, {before} with full storage; nothing "
+                                   f"moved to the host")
+        result.summary = (f"each segment ran once and not again in backward; {before - kept} "
+                          f"bytes moved off {name}, {host_rc} bytes held on the host")
+    if result.failures:
+        result.passed, result.summary = False, result.failures[0]
+    return result
 
 
 def _summary(result: PropertyResult) -> str:

@@ -185,3 +185,20 @@ def patches_forward_in_place(module: nn.Module) -> nn.Module:
 
     module.forward = forward  # type: ignore[method-assign]
     return module
+
+
+def offload_that_recomputes(fn: Any, *args: Any, **kwargs: Any) -> Any:
+    """Says it offloads, but checkpoints: the segment runs again in backward."""
+    return _checkpoint(fn, *args, **kwargs)
+
+
+offload_that_recomputes.gradequiv_strategy = "offload"  # type: ignore[attr-defined]
+
+
+def offload_with_fresh_masks(fn: Any, *args: Any, **kwargs: Any) -> Any:
+    """Offloads, then recomputes anyway without restoring the RNG: wrong gradients."""
+    with torch.autograd.graph.save_on_cpu():
+        return _checkpoint(fn, *args, preserve_rng_state=False, **kwargs)
+
+
+offload_with_fresh_masks.gradequiv_strategy = "offload"  # type: ignore[attr-defined]
