@@ -86,8 +86,9 @@ FINDINGS = """
 - **`activation_memory_budget` below 1 can recompute dropout with fresh
   masks.** At budget 0 (fp32 and bf16), and at 0.1 in fp32, every model
   with dropout gets an embedding gradient 6 % to 55 % off compiled full
-  storage, with the loss unchanged and no error or warning: the partitioner puts the random op in the
-  backward graph, where it draws again. Without dropout every budget is
+  storage, with the loss unchanged and no error or warning: the
+  partitioner puts the random op in the backward graph, where it draws
+  again. Without dropout every budget is
   exact. This is pytorch/pytorch#190758 (and #190717). At 0.5 these models
   come out exact, which says nothing about other models: the knapsack
   decides per graph.
