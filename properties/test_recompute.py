@@ -41,13 +41,16 @@ def _suite(test: Callable[..., None]) -> Callable[..., None]:
     """Given drawn cases, with the run's seed and its profile's settings."""
     default = settings.default
     assert default is not None  # None only while hypothesis itself is being imported
+    # Compiled cases differ only in seed and precision: shrinking would walk the seed down
+    # at seconds per try (a failing 3-example run: 16 minutes with it, 41 s without).
+    shrink = OPTIONS.shrink and not is_compile_spec(OPTIONS.impl)
     profile = settings(
         max_examples=1 if OPTIONS.case is not None else OPTIONS.max_examples,
         deadline=None,
         database=None if OPTIONS.profile == "ci" else default.database,
         derandomize=False,  # the run's seed decides the draws (see the header line)
         print_blob=True,
-        phases=[p for p in Phase if OPTIONS.shrink or p not in (Phase.shrink, Phase.explain)],
+        phases=[p for p in Phase if shrink or p not in (Phase.shrink, Phase.explain)],
         suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture,
                                HealthCheck.data_too_large],
     )
