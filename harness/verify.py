@@ -12,7 +12,13 @@ noise floor) and the recompute path once, then checks, in this order:
    step started from the full path's weights, optimizer and RNG state, so a
    fault shows at the step it happens in (a step-1 fault is not counted again);
 6. ``recompute``: each selected segment ran once in forward and once again in
-   backward, and fewer activation bytes were held than on the full path.
+   backward, and fewer activation bytes were held than on the full path (for
+   an offload: ran once and never again, fewer bytes left on the accelerator;
+   inside a compiled graph: the bytes only).
+
+A compiled implementation (``compile-...``) runs all three paths compiled:
+the full path with torch's defaults, its floor run rounding where inductor
+rounds by default (``harness/compiled.py``).
 
 Structure (which tensors exist, shape, dtype, device) is checked before
 values, and a value check names the tensor, the error and the bound.
