@@ -141,7 +141,9 @@ def _backend(settings: CompileSettings) -> Callable[..., Any]:
         warnings.simplefilter("ignore", DeprecationWarning)
         from torch._inductor.compile_fx import compile_fx
 
-    patches: dict[str, Any] = {}
+    # The backward is compiled now, under these patches: lazily, at the first backward, it
+    # would compile under whatever configuration is global then.
+    patches: dict[str, Any] = {"force_non_lazy_backward_lowering": True}
     if settings.budget is not None:
         patches["activation_memory_budget"] = settings.budget
 

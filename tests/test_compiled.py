@@ -112,3 +112,25 @@ def test_a_budget_acts_on_the_whole_graph_even_with_no_segment_selected() -> Non
     verdict = verify("compile-budget:0.5", case)
     recompute = next(p for p in verdict.properties if p.name == "recompute")
     assert recompute.passed is True, recompute.summary
+
+
+@pytest.mark.compile
+def test_a_verdict_does_not_depend_on_whether_inductor_compiled_afresh_or_from_its_cache() -> None:
+    """The backward must compile under the setting too: compiled lazily at the first
+    backward, it once took whatever configuration was global then, and a bf16 case
+    gave 0 from a warm cache and 3e-3 from a cold one."""
+    from torch._functorch import config as functorch_config
+    from torch._inductor import config as inductor_config
+
+    case = replace(find_case("compile-2L-layer-manual-attn-dropout"), dtype="bf16-autocast",
+                   seed=27281)
+
+    def errors() -> list[float]:
+        verdict = verify("compile-budget:0.5", case)
+        return [c.rel_error for p in verdict.properties for c in p.checks]
+
+    cached = errors()
+    with functorch_config.patch(enable_autograd_cache=False), \
+            inductor_config.patch(fx_graph_cache=False):
+        afresh = errors()
+    assert afresh == cached
