@@ -52,10 +52,6 @@ class CompileSettings:
     budget: float | None = None
     exact_casts: bool = True  # inductor's emulate_precision_casts
 
-    def describe(self) -> str:
-        default = "torch's default"
-        return f"activation_memory_budget={default if self.budget is None else self.budget}"
-
 
 REFERENCE = CompileSettings()
 #: The noise floor of a compiled reference: the same program, rounding where inductor
