@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from gradequiv.harness.analytic import (
+from gradequiv.harness.engine.analytic import (
     KORTHIKANTI_16BIT,
     korthikanti_bytes,
     layer_bytes,
@@ -46,7 +46,7 @@ def main() -> None:
     print(f"Command: `python ci/analytic_model.py > docs/analytic-model.md`. Conditions: torch "
           f"{torch.__version__}, CPU, fp32, no autocast, training mode; the reference "
           f"transformer's layer at s={SEQ} tokens, b={BATCH}, h={WIDTH}, a={HEADS} heads "
-          f"(sbh = {sbh:,} elements). Model: `gradequiv.harness.analytic.layer_terms`; "
+          f"(sbh = {sbh:,} elements). Model: `gradequiv.harness.engine.analytic.layer_terms`; "
           f"measurement: the harness's own activation count over one layer "
           f"(`measured_layer_bytes`); `tests/test_analytic.py` checks that the two agree "
           f"to the byte on fixed and Hypothesis-drawn layers.\n")

@@ -25,7 +25,7 @@ from typing import Any
 import torch
 
 from gradequiv.harness import Verdict, resolve, verify
-from gradequiv.harness.spread import compile_cases
+from gradequiv.harness.engine.spread import compile_cases
 
 DOC = Path(__file__).resolve().parent.parent / "docs" / "compile.md"
 

@@ -2,7 +2,7 @@
 
 For each implementation and regime (fp32 and CPU bf16 autocast, dropout on
 and off, implementation options, inputs without grad, BatchNorm buffers)
-one named case of ``gradequiv.harness.spread`` is verified; each row gives
+one named case of ``gradequiv.harness.engine.spread`` is verified; each row gives
 the verdict, the worst relative error, the failing properties, the command
 that replays it and, for a failure, where in the library it comes from.
 
@@ -30,8 +30,8 @@ from typing import Any
 import torch
 
 from gradequiv.harness import Case, resolve, verify
-from gradequiv.harness.peers import EXTRAS
-from gradequiv.harness.spread import load_case
+from gradequiv.harness.engine.spread import load_case
+from gradequiv.harness.implementations.libraries import EXTRAS
 from gradequiv.models import ExternalConfig, InvalidArgument
 
 DOC = Path(__file__).resolve().parent.parent / "docs" / "implementations.md"

@@ -6,7 +6,7 @@ layer's internals while it is recomputed, (L + 10) / 10L of full storage
 (42 / 320 = 13% at 32 layers), for one extra forward: 3F -> 4F, +33%.
 
 Here the same ratios are measured on the reference transformer with
-``gradequiv.harness.profile`` (the boundary and per-layer units are measured
+``gradequiv.harness.commands.profiling`` (the boundary and per-layer units are measured
 too), side by side with the unit model's prediction. Usage:
 
     python ci/layer_sweep.py > docs/layer-sweep.md
@@ -19,8 +19,8 @@ import sys
 import torch
 
 from gradequiv.harness import Case, resolve
-from gradequiv.harness.analytic import layer_bytes
-from gradequiv.harness.profile import profile
+from gradequiv.harness.commands.profiling import profile
+from gradequiv.harness.engine.analytic import layer_bytes
 from gradequiv.models import BatchConfig, TransformerConfig, parse_granularity
 
 LAYERS = (4, 8, 16, 32)
@@ -94,7 +94,7 @@ def main() -> int:
     extra_backward = layer.backward_s - layer.recompute_s - none.backward_s
     print("\nBackward includes the optimizer step. 'Of which recompute' is the time spent "
           "inside the layers' forwards while backward runs (forward hooks on the "
-          "checkpointed layers, `gradequiv.harness.profile`); 'if recompute were the "
+          "checkpointed layers, `gradequiv.harness.commands.profiling`); 'if recompute were the "
           "only cost' adds just that to the full-storage step.\n")
     share = layer.recompute_s / (none.forward_s + none.backward_s)
     print(f"Why the overhead is not the seed's +33%: its model prices backward at two "

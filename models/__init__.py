@@ -14,8 +14,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from gradequiv.harness.errors import InvalidArgument
 from gradequiv.models.batchnorm import BatchNormConfig, BatchNormNet
-from gradequiv.models.errors import InvalidArgument
 from gradequiv.models.external import ExternalConfig, ExternalModel, UserModel, load_user_model
 from gradequiv.models.granularity import (
     AttentionOnly,

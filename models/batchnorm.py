@@ -13,7 +13,7 @@ from typing import Any
 
 from torch import Tensor, nn
 
-from gradequiv.models.errors import InvalidArgument
+from gradequiv.harness.errors import InvalidArgument
 from gradequiv.models.granularity import (
     EveryKthLayer,
     EveryLayer,

@@ -26,7 +26,7 @@ from typing import Any
 
 from torch import Tensor, nn
 
-from gradequiv.models.errors import InvalidArgument
+from gradequiv.harness.errors import InvalidArgument
 from gradequiv.models.granularity import EveryKthLayer, EveryLayer, Granularity, NoRecompute
 from gradequiv.models.segments import RoutedModel, Router, Segment, attach_router
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import ClassVar
 
-from gradequiv.models.errors import InvalidArgument
+from gradequiv.harness.errors import InvalidArgument
 
 
 @dataclass(frozen=True)

@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from gradequiv.models.errors import InvalidArgument
+from gradequiv.harness.errors import InvalidArgument
 from gradequiv.models.external import UserModel
 
 __all__ = ["gpt2", "llama"]

@@ -22,7 +22,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from gradequiv.models.errors import InvalidArgument
+from gradequiv.harness.errors import InvalidArgument
 from gradequiv.models.granularity import (
     AttentionOnly,
     EveryKthLayer,

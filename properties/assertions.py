@@ -14,8 +14,8 @@ from typing import Any
 import pytest
 from hypothesis import currently_in_test_context, event, target
 
-from gradequiv.harness import Case, Implementation, Tolerance, Verdict, verify
-from gradequiv.harness.report import reproduce_command, verdict_record
+from gradequiv.harness import Case, Implementation, Verdict, verify
+from gradequiv.harness.reports.report import reproduce_command, verdict_record
 from gradequiv.properties import runtime
 
 CASE_KEY, FAILURE_KEY = runtime.CASE_KEY, runtime.FAILURE_KEY
@@ -24,8 +24,10 @@ CASE_KEY, FAILURE_KEY = runtime.CASE_KEY, runtime.FAILURE_KEY
 def assert_property(name: str, impl: Implementation, case: Case, node: pytest.Item) -> None:
     """Fail the running test unless property ``name`` holds for ``case``."""
     __tracebackhide__ = True
-    device = runtime.resolve_device(runtime.OPTIONS.device)
-    verdict, fresh = runtime.CACHE.verify(impl, case, device)
+    run = runtime.RUN
+    run.used = impl
+    device = run.device()
+    verdict, fresh = run.cache.verify(impl, case, device)
     if fresh:
         node.user_properties.append((CASE_KEY, verdict_record(impl, verdict, device)))
     if currently_in_test_context():
@@ -48,22 +50,21 @@ def assert_property(name: str, impl: Implementation, case: Case, node: pytest.It
 def replay_passes(impl: Implementation, failure: dict[str, Any]) -> bool:
     """Run a failure's case again, outside the cache: does the property hold now?"""
     case = Case.from_dict(failure["case"])
-    options = runtime.OPTIONS
-    verdict = verify(impl, case, device=runtime.resolve_device(options.device),
-                     tolerance=Tolerance(case.dtype, options.rtol, options.atol))
+    run = runtime.RUN
+    verdict = verify(impl, case, device=run.device(), tolerance=run.tolerance(case))
     return _failure(failure["property"], verdict) == ""
 
 
 def locate(impl: Implementation, failure: dict[str, Any]) -> None:
     """Add to a minimal failure the first recompute op that differs from the original
     forward (``localisation``, and ``first_diverging_op`` when one is found)."""
-    from gradequiv.harness.localise import localise
+    from gradequiv.harness.engine.localise import localise
 
     case = Case.from_dict(failure["case"])
-    key = (repr((impl.spec, impl.adapter, sorted(impl.kwargs.items()))), case.to_json())
-    located = runtime.CACHE.located  # the failing tests of a run often share their minimal case
+    key = (runtime.implementation_key(impl), case.to_json())
+    located = runtime.RUN.cache.located  # the failing tests of a run often share their minimal case
     if key not in located:
-        located[key] = localise(impl, case, runtime.resolve_device(runtime.OPTIONS.device))
+        located[key] = localise(impl, case, runtime.RUN.device())
     found = located[key]
     failure["localisation"] = found.describe()
     failure["first_diverging_op"] = found.divergence.to_dict() if found.divergence else None

@@ -18,6 +18,8 @@ from typing import Any, Literal
 
 import pytest
 
+from gradequiv.harness.errors import InvalidArgument
+from gradequiv.harness.options import CheckOptions, SuiteRun, check_options
 from gradequiv.properties import runtime
 from gradequiv.properties.runtime import CASE_KEY, FAILURE_KEY
 
@@ -75,26 +77,6 @@ def _setting(config: pytest.Config, name: str) -> Any:
     return value
 
 
-def _number(name: str, text: Any, low: int) -> int:
-    try:
-        value = int(text)
-    except (TypeError, ValueError):
-        raise pytest.UsageError(f"--gradequiv-{name}={text!r} is not a whole number") from None
-    if value < low:
-        raise pytest.UsageError(f"--gradequiv-{name}={value}: must be at least {low}")
-    return value
-
-
-def _bound(name: str, text: Any) -> float:
-    try:
-        value = float(text)
-    except (TypeError, ValueError):
-        raise pytest.UsageError(f"--gradequiv-{name}={text!r} is not a number") from None
-    if not 0 <= value < float("inf"):
-        raise pytest.UsageError(f"--gradequiv-{name}={value}: must be a finite number >= 0")
-    return value
-
-
 _DETERMINISTIC_BEFORE = pytest.StashKey[bool]()
 
 
@@ -134,57 +116,39 @@ def _pin_worker_gpu(worker: str) -> None:
         os.environ["CUDA_VISIBLE_DEVICES"] = gpu
 
 
-def _shard(text: str) -> tuple[int, int]:
-    index, sep, count = str(text).partition("/")
+def _options(config: pytest.Config) -> tuple[CheckOptions, Any]:
+    """The run's options and implementation: handed over by ``gradequiv check`` (a
+    :class:`SuiteRun` plugin object), by the xdist controller (as JSON), or read from
+    this run's command line, environment and ini file, validated by ``check_options``."""
+    for plugin in config.pluginmanager.get_plugins():
+        if isinstance(plugin, SuiteRun):
+            return plugin.options, plugin.implementation
+    given = getattr(config, "workerinput", {}).get("gradequiv_options")
+    if given is not None:
+        return CheckOptions.from_json(given), None
+    profile = _setting(config, "profile") or runtime.default_profile()
+    seed = _setting(config, "seed")
+    if seed is None:
+        seed = 0 if profile == "ci" else random.randrange(2**16)
+    raw = {name.replace("-", "_"): _setting(config, name) for name in
+           ("impl", "adapter", "examples", "device", "report-dir", "case", "rtol", "atol",
+            "model", "shard", "models")}
+    raw = {k: v for k, v in raw.items() if v is not None}
     try:
-        shard = (int(index), int(count))
-    except ValueError:
-        shard = (0, 0)
-    if not sep or not 1 <= shard[0] <= shard[1]:
-        raise pytest.UsageError(f"--gradequiv-shard={text!r} is not I/N with 1 <= I <= N; "
-                                f"write e.g. --gradequiv-shard 2/4")
-    return shard
-
-
-def _choice(name: str, value: str, choices: tuple[str, ...]) -> str:
-    if value not in choices:
-        raise pytest.UsageError(
-            f"--gradequiv-{name}={value!r} is not one of {', '.join(choices)}"
-        )
-    return value
+        options = check_options(
+            flag=lambda name: "--gradequiv-" + name.replace("_", "-"), profile=profile,
+            seed=seed, impl_kwargs=_setting(config, "impl-kwarg") or (),
+            shrink=not _setting(config, "no-shrink"),
+            deterministic=bool(_setting(config, "deterministic")), **raw)
+    except InvalidArgument as exc:
+        raise pytest.UsageError(str(exc)) from exc
+    return options, None
 
 
 def pytest_configure(config: pytest.Config) -> None:
-    options = runtime.OPTIONS
-    profile = _setting(config, "profile") or runtime.default_profile()
-    options.profile = _choice("profile", profile, runtime.PROFILES)
-    seed = _setting(config, "seed")
-    if seed is None and hasattr(config, "workerinput"):
-        seed = config.workerinput.get("gradequiv_seed")  # xdist: the controller's seed
-    if seed is None:
-        seed = 0 if options.profile == "ci" else random.randrange(2**16)
-    options.seed = _number("seed", seed, 0)
-    examples = _setting(config, "examples")
-    options.examples = None if examples is None else _number("examples", examples, 1)
-    options.impl = _setting(config, "impl")
-    options.impl_kwargs = list(_setting(config, "impl-kwarg") or [])
-    options.adapter = _setting(config, "adapter")
-    options.device = _choice("device", _setting(config, "device") or "auto",
-                             ("auto", "cpu", "cuda"))
-    report_dir = _setting(config, "report-dir")
-    options.report_dir = Path(report_dir) if report_dir else None
-    options.case = _setting(config, "case")
-    for name in ("rtol", "atol"):
-        value = _setting(config, name)
-        setattr(options, name, None if value is None else _bound(name, value))
-    models = tuple(m.strip() for m in (_setting(config, "models") or "transformer").split(","))
-    for model in models:
-        _choice("models", model, ("transformer", "batchnorm"))
-    options.models = models
-    options.shrink = not _setting(config, "no-shrink")
-    options.shard = _shard(_setting(config, "shard") or "1/1")
-    options.model = _setting(config, "model")
-    if _setting(config, "deterministic"):
+    options, implementation = _options(config)
+    runtime.RUN = runtime.SuiteState(options, implementation)
+    if options.deterministic:
         import torch
 
         config.stash[_DETERMINISTIC_BEFORE] = torch.are_deterministic_algorithms_enabled()
@@ -194,11 +158,9 @@ def pytest_configure(config: pytest.Config) -> None:
     worker = getattr(config, "workerinput", {}).get("workerid")
     if worker and options.impl and options.device != "cpu":
         _pin_worker_gpu(worker)
-    runtime.CACHE.clear()
     config.pluginmanager.register(_Gatherer(config), "gradequiv-gatherer")
-    runtime.CACHE.on_verdict = None
     if not hasattr(config, "workerinput"):  # xdist workers cannot write to the terminal
-        runtime.CACHE.on_verdict = _Progress(config)
+        runtime.RUN.cache.on_verdict = _Progress(config)
 
 
 class _Progress:
@@ -265,12 +227,12 @@ def pytest_pycollect_makemodule(module_path: Path, parent: pytest.Collector) -> 
 
 @pytest.hookimpl(optionalhook=True)
 def pytest_configure_node(node: Any) -> None:
-    """xdist: every worker draws with the controller's seed."""
-    node.workerinput["gradequiv_seed"] = runtime.OPTIONS.seed
+    """xdist: every worker runs with the controller's options (its seed included)."""
+    node.workerinput["gradequiv_options"] = runtime.RUN.options.to_json()
 
 
 def pytest_report_header(config: pytest.Config) -> str:
-    options = runtime.OPTIONS
+    options = runtime.RUN.options
     shard = "" if options.shard == (1, 1) else f", shard {options.shard[0]}/{options.shard[1]}"
     return (f"gradequiv: Using --gradequiv-seed={options.seed} (profile {options.profile}, "
             f"{options.max_examples} examples per property{shard}, "
@@ -280,15 +242,13 @@ def pytest_report_header(config: pytest.Config) -> str:
 @pytest.fixture(scope="session")
 def recompute_impl() -> Any:
     """The implementation under test; override this fixture in a conftest to supply your own."""
-    from gradequiv.harness import InvalidArgument, parse_impl_kwargs, resolve
+    from gradequiv.harness import InvalidArgument
 
-    options = runtime.OPTIONS
-    if not options.impl:
+    if not runtime.RUN.options.impl:
         pytest.fail("no implementation to check: pass --gradequiv-impl SPEC (or set "
                     "GRADEQUIV_IMPL), or override the recompute_impl fixture", pytrace=False)
     try:
-        return resolve(options.impl, adapter=options.adapter,
-                       kwargs=parse_impl_kwargs(options.impl_kwargs))
+        return runtime.RUN.implementation()
     except InvalidArgument as exc:
         pytest.fail(str(exc), pytrace=False)
 
@@ -360,73 +320,31 @@ class _Gatherer:
             if failure.get("localisation"):
                 write(f"    {failure['localisation']}")
             write(f"    reproduce: {failure['reproduce']}")
-        if runtime.OPTIONS.report_dir is not None:
-            write(f"report: {runtime.OPTIONS.report_dir / 'report.json'}")
+        if runtime.RUN.options.report_dir is not None:
+            write(f"report: {runtime.RUN.options.report_dir / 'report.json'}")
         failed = self.failures or any(o != "passed" for o in self.outcomes.values())
         write(f"verdict: {'FAIL' if failed else 'pass'} (Using --gradequiv-seed="
-              f"{runtime.OPTIONS.seed})")
+              f"{runtime.RUN.options.seed})")
 
     def _writes_report(self) -> bool:
-        return not self.is_worker and runtime.OPTIONS.report_dir is not None and self.collected
+        return (not self.is_worker and runtime.RUN.options.report_dir is not None
+                and self.collected)
 
     def pytest_sessionfinish(self, exitstatus: int) -> None:
         if self._writes_report():
             self.write_report(complete=exitstatus in (0, 1))
 
     def write_report(self, *, complete: bool) -> None:
-        """report.json: the engine's format, plus the suite's tests and minimal failures."""
-        from gradequiv.harness import resolve
-        from gradequiv.harness.adapters import parse_impl_kwargs
-        from gradequiv.harness.report import (
-            build_report,
-            first_mismatch,
-            run_conditions,
-            write_json_atomic,
-        )
+        """report.json, assembled by its one author from what this run gathered."""
+        from gradequiv.harness.reports.report import assemble_check_report, write_json_atomic
 
-        options = runtime.OPTIONS
-        device = runtime.resolve_device(options.device)
-        impl = resolve(options.impl or "torch", adapter=options.adapter,
-                       kwargs=parse_impl_kwargs(options.impl_kwargs))
-        records = list(self.records.values())
-        report = build_report(command="check", impl=impl,
-                              conditions=run_conditions(device, options.seed),
-                              records=records, complete=complete)
-        report["conditions"].update(profile=options.profile,
-                                    examples_per_property=options.max_examples,
-                                    shard=f"{options.shard[0]}/{options.shard[1]}")
-        report["tests"] = dict(sorted(self.outcomes.items()))
-        report["minimal_failures"] = self.failures
-        if self.failures:
-            first = self.failures[0]
-            record = self.records.get(first["reproduce"])
-            report["failure"] = {
-                "case": first["description"], "property": first["property"],
-                "message": first["message"], "flaky": first["flaky"],
-                "minimal_case": first["case"], "reproduce": first["reproduce"],
-                "first_mismatch": first_mismatch(record) if record else None,
-            }
-        if self.failures or any(v != "passed" for v in self.outcomes.values()):
-            report["verdict"] = "fail"
-        report["statistics"] = _statistics(records)
-        assert options.report_dir is not None
-        write_json_atomic(options.report_dir / "report.json", report)
-
-
-def _statistics(records: list[dict[str, Any]]) -> dict[str, Any]:
-    """How many cases of each regime ran, the worst relative error seen, and the noisiest
-    floor (the two full-storage runs' own disagreement: zero where kernels are deterministic)."""
-    regimes: dict[str, int] = {}
-    worst = floor = 0.0
-    for record in records:
-        case = record["case"]
-        for key in (f"dtype {case['dtype']}", f"granularity {case['granularity']}"):
-            regimes[key] = regimes.get(key, 0) + 1
-        for prop in record["properties"]:
-            for check in prop["checks"]:
-                if isinstance(check["rel_error"], float):
-                    worst = max(worst, check["rel_error"])
-                if isinstance(check["floor"], float):
-                    floor = max(floor, check["floor"])
-    return {"cases_per_regime": dict(sorted(regimes.items())), "worst_relative_error": worst,
-            "max_noise_floor": floor}
+        run = runtime.RUN
+        impl = run.used
+        if impl is None:
+            impl = run.implementation() if run.options.impl else None
+        report = assemble_check_report(
+            options=run.options, impl=impl, device=run.device(),
+            records=list(self.records.values()), outcomes=self.outcomes,
+            failures=self.failures, complete=complete)
+        assert run.options.report_dir is not None
+        write_json_atomic(run.options.report_dir / "report.json", report)

@@ -1,19 +1,20 @@
-"""State of one property-suite run: its options, its verdicts, its failures.
+"""State of one property-suite run: its options, its implementation, its verdicts.
 
-The pytest plugin fills :data:`OPTIONS` in ``pytest_configure``, before the
-suite module is imported, so the suite's Hypothesis settings and seed come
-from the command line. Verdicts are cached per process by case: the six
-property tests draw the same cases from the same seed, so each case runs
-down its three paths once, whichever property asks first.
+The pytest plugin sets :data:`RUN` in ``pytest_configure``, before the suite
+module is imported, so the suite's Hypothesis settings and seed come from the
+run's :class:`~gradequiv.harness.options.CheckOptions`. The implementation and
+the device are resolved once per run, on first use. Verdicts are cached per
+process by case: the six property tests draw the same cases from the same
+seed, so each case runs down its paths once, whichever property asks first.
 """
 
 from __future__ import annotations
 
 import os
 from collections.abc import Callable
-from dataclasses import dataclass, field
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
+
+from gradequiv.harness.options import CheckOptions
 
 if TYPE_CHECKING:  # torch stays unimported until a test runs
     from gradequiv.harness import Case, Implementation, Verdict
@@ -21,50 +22,6 @@ if TYPE_CHECKING:  # torch stays unimported until a test runs
 #: user_properties keys that carry verdicts and failures from a test (or an xdist worker).
 CASE_KEY = "gradequiv_case"
 FAILURE_KEY = "gradequiv_failure"
-
-PROFILES = ("ci", "dev", "thorough")
-#: Examples per property test in each profile.
-PROFILE_EXAMPLES = {"ci": 20, "dev": 50, "thorough": 400}
-
-
-@dataclass
-class RunOptions:
-    impl: str | None = None
-    impl_kwargs: list[str] = field(default_factory=list)  # KEY=VALUE, parsed when resolved
-    adapter: str | None = None
-    seed: int = 0
-    examples: int | None = None  # overrides the profile's count
-    profile: str = "dev"
-    device: str = "auto"
-    report_dir: Path | None = None
-    case: str | None = None  # replay one case (JSON or a named case) instead of drawing
-    rtol: float | None = None  # explicit bounds, replacing the derived ones
-    atol: float | None = None
-    models: tuple[str, ...] = ("transformer",)  # reference models the cases are drawn for
-    shrink: bool = True  # False: stop at the first failing example (mutant runs)
-    shard: tuple[int, int] = (1, 1)  # (i, n): this run is shard i of n, 1-based
-    model: str | None = None  # a user's model factory (package.module:attr) instead of ours
-
-    @property
-    def max_examples(self) -> int:
-        """Examples per property test for this shard: its share of the run's count."""
-        total = self.examples if self.examples is not None else PROFILE_EXAMPLES[self.profile]
-        return -(-total // self.shard[1])
-
-    @property
-    def draw_seed(self) -> int:
-        """The seed Hypothesis draws with: the run's seed, moved apart for each shard
-        so that shards draw different cases."""
-        index, count = self.shard
-        return self.seed if count == 1 else self.seed + 1_000_003 * (index - 1)
-
-    def in_shard(self, position: int) -> bool:
-        """Whether the named case at ``position`` of the fixed spread runs on this shard."""
-        index, count = self.shard
-        return position % count == index - 1
-
-
-OPTIONS = RunOptions()
 
 
 def default_profile() -> str:
@@ -74,13 +31,9 @@ def default_profile() -> str:
     return "ci" if is_in_ci() or os.environ.get("CI") else "dev"
 
 
-def resolve_device(choice: str) -> Any:
-    """``auto`` is CUDA when torch sees a GPU, else the CPU."""
-    import torch
-
-    if choice == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    return torch.device(choice)
+def implementation_key(impl: Implementation) -> str:
+    """What tells two implementations apart in a cache: SPEC, adapter and options."""
+    return repr((impl.spec, impl.adapter, sorted(impl.kwargs.items())))
 
 
 class VerdictCache:
@@ -98,14 +51,12 @@ class VerdictCache:
 
     def verify(self, impl: Implementation, case: Case, device: Any) -> tuple[Verdict, bool]:
         """The verdict, and whether it was computed now (False: from the cache)."""
-        from gradequiv.harness import Tolerance, verify
+        from gradequiv.harness import verify
 
-        key = (repr((impl.spec, impl.adapter, sorted(impl.kwargs.items()))), case.to_json(),
-               str(device))
+        key = (implementation_key(impl), case.to_json(), str(device))
         if key in self._verdicts:
             return self._verdicts[key], False
-        tolerance = Tolerance(case.dtype, OPTIONS.rtol, OPTIONS.atol)
-        verdict = verify(impl, case, device=device, tolerance=tolerance)
+        verdict = verify(impl, case, device=device, tolerance=RUN.tolerance(case))
         self._verdicts[key] = verdict
         if self.on_verdict is not None:
             self.on_verdict(verdict)
@@ -116,4 +67,41 @@ class VerdictCache:
         self.located.clear()
 
 
-CACHE = VerdictCache()
+class SuiteState:
+    """The run in this process: its options and what is resolved from them, once."""
+
+    def __init__(self, options: CheckOptions | None = None,
+                 implementation: Implementation | None = None) -> None:
+        self.options = options or CheckOptions()
+        self._implementation = implementation
+        self._device: Any = None
+        #: the implementation the suite's tests were handed (a conftest may override it)
+        self.used: Implementation | None = None
+        self.cache = VerdictCache()
+
+    def implementation(self) -> Implementation:
+        """The implementation named by the options, resolved on first use."""
+        if self._implementation is None:
+            from gradequiv.harness import resolve
+
+            assert self.options.impl is not None
+            self._implementation = resolve(self.options.impl, adapter=self.options.adapter,
+                                           kwargs=self.options.kwargs)
+        return self._implementation
+
+    def device(self) -> Any:
+        """The run's torch device, resolved on first use."""
+        if self._device is None:
+            from gradequiv.harness.engine.devices import resolve_device
+
+            self._device = resolve_device(self.options.device, flag="--gradequiv-device")
+        return self._device
+
+    def tolerance(self, case: Case) -> Any:
+        from gradequiv.harness import Tolerance
+
+        return Tolerance(case.dtype, self.options.rtol, self.options.atol)
+
+
+#: The run of this process; replaced by the plugin at each pytest session.
+RUN = SuiteState()

@@ -14,14 +14,14 @@ from typing import Any
 
 from hypothesis import strategies as st
 
-from gradequiv.harness.case import Case
-from gradequiv.harness.spread import compile_cases
+from gradequiv.harness.engine.case import Case
+from gradequiv.harness.engine.spread import compile_cases
+from gradequiv.harness.errors import InvalidArgument
 from gradequiv.models import (
     BatchConfig,
     BatchNormConfig,
     ExternalConfig,
     Granularity,
-    InvalidArgument,
     TransformerConfig,
     parse_granularity,
 )

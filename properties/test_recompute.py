@@ -17,19 +17,19 @@ from hypothesis import HealthCheck, Phase, given, seed, settings
 from hypothesis import strategies as st
 
 from gradequiv.harness import PROPERTIES, Case, Implementation, default_cases, find_case
-from gradequiv.harness.compiled import is_compile_spec
-from gradequiv.harness.spread import compile_cases, load_case
+from gradequiv.harness.engine.spread import compile_cases, load_case
+from gradequiv.harness.implementations.compiled import is_compile_spec
 from gradequiv.properties import runtime
 from gradequiv.properties.assertions import assert_property
 from gradequiv.properties.strategies import cases, compiled_cases, external_cases
 
-OPTIONS = runtime.OPTIONS
+OPTIONS = runtime.RUN.options
 
 
 def _drawn_cases() -> st.SearchStrategy[Case]:
     if OPTIONS.case is not None:
         return st.just(load_case(OPTIONS.case))
-    device = runtime.resolve_device(OPTIONS.device).type
+    device = runtime.RUN.device().type
     if OPTIONS.model is not None:
         return external_cases(OPTIONS.model, device=device)
     if is_compile_spec(OPTIONS.impl):

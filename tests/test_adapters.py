@@ -8,8 +8,11 @@ from pathlib import Path
 import pytest
 
 from gradequiv.harness import InvalidArgument, parse_impl_kwargs, resolve
-from gradequiv.harness import adapters as adapters_module
-from gradequiv.harness.adapters import torch_checkpoint, torch_reentrant_checkpoint
+from gradequiv.harness.implementations import resolve as resolve_module
+from gradequiv.harness.implementations.torch_builtins import (
+    torch_checkpoint,
+    torch_reentrant_checkpoint,
+)
 
 
 def test_builtins_resolve_to_torch_checkpoint() -> None:
@@ -32,14 +35,14 @@ def test_a_module_in_the_current_directory_resolves(tmp_path: Path,
 
 def test_an_entry_point_resolves(monkeypatch: pytest.MonkeyPatch) -> None:
     ep = EntryPoint(name="mine", value="wrong_impls:no_op", group="gradequiv.implementations")
-    monkeypatch.setattr(adapters_module, "entry_points", lambda group: [ep])
+    monkeypatch.setattr(resolve_module, "entry_points", lambda group: [ep])
     impl = resolve("mine")
     assert impl.target.__name__ == "no_op" and impl.spec == "mine"
 
 
 def test_a_broken_entry_point_names_itself(monkeypatch: pytest.MonkeyPatch) -> None:
     ep = EntryPoint(name="bad", value="nosuch_pkg:impl", group="gradequiv.implementations")
-    monkeypatch.setattr(adapters_module, "entry_points", lambda group: [ep])
+    monkeypatch.setattr(resolve_module, "entry_points", lambda group: [ep])
     with pytest.raises(InvalidArgument, match="entry point 'nosuch_pkg:impl' failed to load"):
         resolve("bad")
 

@@ -10,7 +10,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from gradequiv.harness.analytic import (
+from gradequiv.harness.engine.analytic import (
     KORTHIKANTI_16BIT,
     korthikanti_bytes,
     layer_bytes,

@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from gradequiv.harness.compare import DTYPE_CAPS, Tolerance, measure_pairs, ulp_distance
+from gradequiv.harness.engine.compare import DTYPE_CAPS, Tolerance, measure_pairs, ulp_distance
 from gradequiv.models import InvalidArgument
 
 
@@ -125,7 +125,7 @@ def test_bad_tolerances_name_the_value(bad: dict[str, object]) -> None:
 
 
 def test_the_reduction_path_agrees_with_the_equality_shortcut() -> None:
-    from gradequiv.harness.compare import _reduce
+    from gradequiv.harness.engine.compare import _reduce
 
     a = torch.randn(64)
     pairs = [(a.clone(), a), (a * (1 + 1e-3), a), (torch.zeros(0), torch.zeros(0))]

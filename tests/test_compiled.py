@@ -13,8 +13,13 @@ import pytest
 import torch
 
 from gradequiv.harness import InvalidArgument, find_case, resolve, verify
-from gradequiv.harness.compiled import REFERENCE, CompileSettings, compile_model, parse
-from gradequiv.harness.localise import localise
+from gradequiv.harness.engine.localise import localise
+from gradequiv.harness.implementations.compiled import (
+    REFERENCE,
+    CompileSettings,
+    compile_model,
+    parse,
+)
 from gradequiv.models import build, parse_granularity
 
 

@@ -9,7 +9,7 @@ import pytest
 
 from gradequiv.harness import find_case, resolve
 from gradequiv.harness.cli import main
-from gradequiv.harness.distributed import verify_distributed
+from gradequiv.harness.commands.distributed import verify_distributed
 from gradequiv.models import InvalidArgument
 
 CASE = find_case("4L-group2-dropout-untied")  # batch 2: one sample per rank, dropout on

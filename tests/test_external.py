@@ -9,7 +9,7 @@ import pytest
 
 from gradequiv.harness import Case, Implementation, resolve, verify
 from gradequiv.harness.cli import main
-from gradequiv.harness.mutants import MUTANTS
+from gradequiv.harness.implementations.faults import MUTANTS
 from gradequiv.models import ExternalConfig, InvalidArgument, parse_granularity
 
 MODEL = "user_models:residual_stack"

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 
 from gradequiv.harness import Implementation, find_case, resolve
-from gradequiv.harness.localise import localise
-from gradequiv.harness.mutants import MUTANTS
+from gradequiv.harness.engine.localise import localise
+from gradequiv.harness.implementations.faults import MUTANTS
 
 MUTANT = {m.name: Implementation(m.name, m.impl) for m in MUTANTS}
 

@@ -26,7 +26,7 @@ from torch.utils.checkpoint import (
     create_selective_checkpoint_contexts,
 )
 
-from gradequiv.harness.memory import ActivationCounter, tensor_storage_bytes
+from gradequiv.harness.engine.memory import ActivationCounter, tensor_storage_bytes
 
 F32 = 4
 B, IN, HID, MID, OUT = 4, 8, 16, 6, 2
@@ -373,7 +373,7 @@ def _residual_blocks(n: int) -> list[torch.nn.Module]:
 def test_the_backward_peak_adds_one_recomputed_block_to_the_boundaries(variant: str) -> None:
     """4 residual blocks 16->64->16, batch 8, fp32: a boundary is 8*16*4 = 512 bytes; a
     block's recomputed internals are its two 8x64 activations, 2 * 2048 bytes."""
-    from gradequiv.harness.memory import BackwardPeak
+    from gradequiv.harness.engine.memory import BackwardPeak
 
     blocks = _residual_blocks(4)
     params = [p for b in blocks for p in b.parameters()]

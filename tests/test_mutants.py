@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from gradequiv.harness import Implementation, default_cases, extra_cases, verify
-from gradequiv.harness.mutants import MUTANTS, Mutant, reference_checkpoint, switches
+from gradequiv.harness.implementations.faults import MUTANTS, Mutant, reference_checkpoint, switches
 
 CASES = default_cases() + [c for c in extra_cases() if c.model_kind == "batchnorm"]
 
@@ -58,9 +58,9 @@ def test_an_interrupted_mutants_run_keeps_what_finished(tmp_path: object,
     import json
     from pathlib import Path
 
-    from gradequiv.harness import mutation
-    from gradequiv.harness.bundle import load_bundle
+    from gradequiv.harness.commands import mutants as mutation
     from gradequiv.harness.cli import main
+    from gradequiv.harness.reports.bundle import load_bundle
 
     seen: list[int] = []
     real_write = mutation.write

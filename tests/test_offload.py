@@ -7,10 +7,10 @@ import pytest
 import torch
 
 from gradequiv.harness import find_case, resolve, verify
-from gradequiv.harness.memory import ActivationCounter
-from gradequiv.harness.profile import markdown, profile
-from gradequiv.harness.runner import PathRun
-from gradequiv.harness.verify import _check_offload
+from gradequiv.harness.commands.profiling import markdown, profile
+from gradequiv.harness.engine.memory import ActivationCounter
+from gradequiv.harness.engine.runner import PathRun
+from gradequiv.harness.engine.verify import _check_offload
 from gradequiv.models import parse_granularity
 
 

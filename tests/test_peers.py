@@ -12,8 +12,9 @@ import importlib.util
 import pytest
 import torch
 
-from gradequiv.harness import Verdict, find_case, peers, resolve, verify
-from gradequiv.harness.adapters import BUILTINS
+from gradequiv.harness import Verdict, find_case, resolve, verify
+from gradequiv.harness.implementations import libraries, torch_builtins
+from gradequiv.harness.implementations.resolve import BUILTINS, builtin_target
 from gradequiv.models import InvalidArgument
 
 
@@ -55,9 +56,9 @@ def test_torch_sac_is_bitwise_equal_and_its_policy_changes_what_is_held() -> Non
 
 def test_torch_sac_refuses_an_unknown_policy() -> None:
     with pytest.raises(InvalidArgument, match=r"policy='matmul' is not one of matmuls, none, "):
-        peers.require("torch-sac", {"policy": "matmul"})
+        resolve("torch-sac", kwargs={"policy": "matmul"})
     with pytest.raises(InvalidArgument, match="--impl-kwarg policy=matmuls"):
-        peers.torch_sac(torch.sin, torch.ones(2), policy="bogus")
+        torch_builtins.torch_sac(torch.sin, torch.ones(2), policy="bogus")
 
 
 def test_torch_wrapper_passes_and_its_reentrant_option_reaches_torch() -> None:
@@ -100,7 +101,7 @@ def test_megatron_needs_cuda_and_says_why() -> None:
                                    device="cuda"))
         return
     with pytest.raises(InvalidArgument, match="needs CUDA: .*_get_cuda_rng_state"):
-        peers.require("megatron")
+        libraries.require("megatron")
 
 
 @pytest.mark.parametrize("spec", ["fairscale", "deepspeed", "deepspeed-nonreentrant",
@@ -109,14 +110,14 @@ def test_a_missing_library_names_its_extra(spec: str, monkeypatch: pytest.Monkey
     def missing(name: str) -> None:
         raise ModuleNotFoundError(f"No module named {name.split('.')[0]!r}")
 
-    monkeypatch.setattr(peers.importlib, "import_module", missing)
-    extra = peers.EXTRAS[spec][0]
+    target = builtin_target(spec)
+    monkeypatch.setattr(libraries, "_import", missing)
+    extra = libraries.EXTRAS[spec][0]
     with pytest.raises(InvalidArgument, match=rf"--impl='{spec}' needs .*"
                                               rf"pip install 'gradequiv\[{extra}\]'"):
-        peers.require(spec)
+        libraries.require(spec)
     with pytest.raises(InvalidArgument, match=rf"gradequiv\[{extra}\]"):
         resolve(spec)  # at resolution: exit 2 before any case runs
-    target = BUILTINS[spec][0]
     with pytest.raises(InvalidArgument, match=rf"gradequiv\[{extra}\]"):
         target(torch.nn.Identity()) if spec == "fairscale" else target(torch.sin, torch.ones(1))
 

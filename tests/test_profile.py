@@ -9,7 +9,7 @@ import pytest
 
 from gradequiv.harness import Case, Implementation, resolve
 from gradequiv.harness.cli import main
-from gradequiv.harness.profile import pareto_frontier, percentiles, profile
+from gradequiv.harness.commands.profiling import pareto_frontier, percentiles, profile
 from gradequiv.models import BatchConfig, TransformerConfig, parse_granularity
 
 CASE = Case(model=TransformerConfig(n_layer=2, n_embd=16, n_head=2, max_seq_len=8,

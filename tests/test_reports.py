@@ -17,9 +17,9 @@ from typing import Any
 
 import pytest
 
-from gradequiv.harness.bundle import load_bundle, report_schema
 from gradequiv.harness.cli import main
-from gradequiv.harness.findings import find, layer_errors
+from gradequiv.harness.reports.bundle import load_bundle, report_schema
+from gradequiv.harness.reports.findings import find, layer_errors
 
 jsonschema = pytest.importorskip("jsonschema")
 

@@ -161,7 +161,7 @@ def test_impl_kwargs_reach_the_implementation() -> None:
 
 def test_a_steps_records_are_not_changed_by_later_steps() -> None:
     """Input leaves keep .grad across steps unless reset; a record must hold its own step."""
-    from gradequiv.harness.runner import run_path
+    from gradequiv.harness.engine.runner import run_path
 
     case = find_case("batchnorm-layer")
     two = run_path(case, None, device=torch.device("cpu"))

@@ -21,7 +21,7 @@ import pytest
 import torch
 
 from gradequiv.harness import Case, find_case, resolve, verify
-from gradequiv.harness.runner import LEARNING_RATE, MOMENTUM
+from gradequiv.harness.engine.runner import LEARNING_RATE, MOMENTUM
 from gradequiv.models import build
 
 CASES = ["2L-layer-manual-attn", "2L-layer-bf16-dropout", "4Lx128x64-layer-dropout"]

@@ -9,8 +9,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from gradequiv.harness.bundle import ReportBundle
-from gradequiv.harness.findings import find
+from gradequiv.harness.reports.bundle import ReportBundle
+from gradequiv.harness.reports.findings import find
 
 __all__ = ["render_markdown"]
 

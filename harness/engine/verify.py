@@ -35,12 +35,14 @@ from typing import Any
 
 import torch
 
-from gradequiv.harness.adapters import Implementation, resolve
-from gradequiv.harness.case import CUDA_ONLY_DTYPES, Case
-from gradequiv.harness.compare import Tolerance, measure_pairs
-from gradequiv.harness.compiled import FLOOR, REFERENCE, CompileSpec
-from gradequiv.harness.runner import PathRun, run_path
-from gradequiv.models import InvalidArgument, NoRecompute
+from gradequiv.harness.engine.case import CUDA_ONLY_DTYPES, Case
+from gradequiv.harness.engine.compare import Tolerance, measure_pairs
+from gradequiv.harness.engine.runner import PathRun, run_path
+from gradequiv.harness.errors import InvalidArgument
+from gradequiv.harness.implementations.adapters import Implementation
+from gradequiv.harness.implementations.compiled import FLOOR, REFERENCE, CompileSpec
+from gradequiv.harness.implementations.resolve import resolve
+from gradequiv.models import NoRecompute
 
 PROPERTIES = ("outputs", "gradients", "buffers", "rng", "trajectory", "recompute")
 

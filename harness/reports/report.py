@@ -1,4 +1,4 @@
-"""report.json: the verdicts of one run, written atomically after every case.
+"""report.json of a check run: its one author, and the atomic writes every report uses.
 
 The file is rewritten whole after each case (write to a temporary file, then
 rename), so a run that is interrupted or killed leaves the cases that
@@ -21,9 +21,10 @@ from typing import Any
 
 import torch
 
-from gradequiv.harness.adapters import Implementation
-from gradequiv.harness.case import Case
-from gradequiv.harness.verify import Verdict
+from gradequiv.harness.engine.case import Case
+from gradequiv.harness.engine.verify import Verdict
+from gradequiv.harness.implementations.adapters import Implementation
+from gradequiv.harness.options import CheckOptions
 
 SCHEMA_VERSION = 1
 
@@ -95,39 +96,93 @@ def _finite(row: dict[str, Any]) -> dict[str, Any]:
             for k, v in row.items()}
 
 
-def build_report(
+def assemble_check_report(
     *,
-    command: str,
-    impl: Implementation,
-    conditions: dict[str, Any],
+    options: CheckOptions,
+    impl: Implementation | None,
+    device: torch.device,
     records: list[dict[str, Any]],
+    outcomes: dict[str, str],
+    failures: list[dict[str, Any]],
     complete: bool,
 ) -> dict[str, Any]:
+    """report.json of a check run, whole: the one place its verdict and failure are decided.
+
+    ``records`` are the distinct cases verified, ``outcomes`` each property
+    test's outcome, ``failures`` the minimal failure of each failing test (the
+    pytest plugin gathers all three and decides nothing).
+    """
     failed = [r for r in records if r["verdict"] == "fail"]
-    failure = None
-    if failed:
-        first = failed[0]
-        failure = {
-            "case": first["name"],
-            "message": first["first_failure"],
-            "first_mismatch": first_mismatch(first),
-            "minimal_case": first["case"],
-            "reproduce": first["reproduce"],
-        }
+    verdict_fails = (bool(failed) or not records or bool(failures)
+                     or any(v != "passed" for v in outcomes.values()))
+    conditions = run_conditions(device, options.seed) | {
+        "profile": options.profile, "examples_per_property": options.max_examples,
+        "shard": f"{options.shard[0]}/{options.shard[1]}"}
+    implementation = ({"spec": impl.spec, "adapter": impl.adapter,
+                       "kwargs": {k: repr(v) for k, v in impl.kwargs.items()}}
+                      if impl is not None else
+                      {"spec": options.impl or "unset", "adapter": options.adapter or "function",
+                       "kwargs": {}})
+    by_reproduce = {r["reproduce"]: r for r in records}
     return {
         "schema_version": SCHEMA_VERSION,
         "tool": "gradequiv",
-        "command": command,
-        "verdict": "fail" if failed or not records else "pass",
+        "command": "check",
+        "verdict": "fail" if verdict_fails else "pass",
         "complete": complete,
-        "implementation": {"spec": impl.spec, "adapter": impl.adapter,
-                           "kwargs": {k: repr(v) for k, v in impl.kwargs.items()}},
+        "implementation": implementation,
         "conditions": conditions,
         "summary": {"run": len(records), "passed": len(records) - len(failed),
                     "failed": len(failed)},
         "cases": records,
-        "failure": failure,
+        "failure": _headline_failure(failures, failed, by_reproduce),
+        "tests": dict(sorted(outcomes.items())),
+        "minimal_failures": failures,
+        "statistics": _statistics(records),
     }
+
+
+def _headline_failure(failures: list[dict[str, Any]], failed: list[dict[str, Any]],
+                      records: dict[str, dict[str, Any]]) -> dict[str, Any] | None:
+    """The failure a reader sees first: the first minimal failure, else the first failing
+    case (a run stopped before any test ended)."""
+    if failures:
+        first = failures[0]
+        record = records.get(first["reproduce"])
+        return {"case": first["description"], "property": first["property"],
+                "message": first["message"], "flaky": first["flaky"],
+                "minimal_case": first["case"], "reproduce": first["reproduce"],
+                "first_mismatch": first_mismatch(record) if record else None}
+    if failed:
+        first = failed[0]
+        return {"case": first["description"], "property": _failing_property(first),
+                "message": first["first_failure"], "flaky": False,
+                "minimal_case": first["case"], "reproduce": first["reproduce"],
+                "first_mismatch": first_mismatch(first)}
+    return None
+
+
+def _failing_property(record: dict[str, Any]) -> str:
+    return next((p["name"] for p in record["properties"] if p["status"] == "fail"), "error")
+
+
+def _statistics(records: list[dict[str, Any]]) -> dict[str, Any]:
+    """How many cases of each regime ran, the worst relative error seen, and the noisiest
+    floor (the two full-storage runs' own disagreement: zero where kernels are deterministic)."""
+    regimes: dict[str, int] = {}
+    worst = floor = 0.0
+    for record in records:
+        case = record["case"]
+        for key in (f"dtype {case['dtype']}", f"granularity {case['granularity']}"):
+            regimes[key] = regimes.get(key, 0) + 1
+        for prop in record["properties"]:
+            for check in prop["checks"]:
+                if isinstance(check["rel_error"], float):
+                    worst = max(worst, check["rel_error"])
+                if isinstance(check["floor"], float):
+                    floor = max(floor, check["floor"])
+    return {"cases_per_regime": dict(sorted(regimes.items())), "worst_relative_error": worst,
+            "max_noise_floor": floor}
 
 
 def first_mismatch(record: dict[str, Any]) -> dict[str, Any] | None:

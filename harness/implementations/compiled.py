@@ -39,7 +39,12 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from gradequiv.models import InvalidArgument
+from gradequiv.harness.errors import InvalidArgument
+from gradequiv.harness.implementations.torch_builtins import (
+    SAC_POLICIES,
+    torch_checkpoint,
+    torch_sac,
+)
 
 PREFIX = "compile-"
 KINDS = ("budget", "sac", "torch")
@@ -89,8 +94,6 @@ def parse(spec: str) -> CompileSpec:
                                   f"write compile-torch")
         return CompileSpec("torch")
     if kind == "sac":
-        from gradequiv.harness.peers import SAC_POLICIES
-
         if value not in SAC_POLICIES:
             raise InvalidArgument(f"--impl={spec!r}: the policy {value!r} is not one of "
                                   f"{', '.join(SAC_POLICIES)}; write e.g. compile-sac:matmuls")
@@ -108,9 +111,6 @@ def parse(spec: str) -> CompileSpec:
 
 def segment_call(spec: CompileSpec) -> Callable[..., Any]:
     """What each selected segment is called through inside the compiled model."""
-    from gradequiv.harness.adapters import torch_checkpoint
-    from gradequiv.harness.peers import torch_sac
-
     if spec.kind == "sac":
         return functools.partial(torch_sac, policy=spec.policy or "matmuls")
     if spec.kind == "torch":
@@ -166,45 +166,3 @@ def compile_model(model: nn.Module, settings: CompileSettings) -> nn.Module:
     compiled: nn.Module = torch.compile(  # type: ignore[assignment]  # returns a callable
         model, backend=_backend(settings), fullgraph=True, dynamic=False)
     return compiled
-
-
-class SavedBytes:
-    """Bytes a compiled forward saves for backward, counted at ``saved_tensors_hooks``.
-
-    A compiled forward is one autograd Function to the outside: whatever its
-    graph keeps for backward goes through ``save_for_backward`` and so through
-    these hooks, while op-level counting cannot see inside it. Storages are
-    counted once; parameters, buffers and inputs (``exclude``) not at all.
-    """
-
-    def __init__(self, exclude: list[Tensor]) -> None:
-        self._exclude = {_key(t) for t in exclude}
-        self._storages: dict[int, tuple[str, int]] = {}
-        self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, _unpack)
-
-    def __enter__(self) -> SavedBytes:
-        self._hooks.__enter__()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self._hooks.__exit__(*exc)
-
-    def _pack(self, t: Tensor) -> Tensor:
-        key = _key(t)
-        if key not in self._exclude:
-            self._storages[key] = (str(t.device), t.untyped_storage().nbytes())
-        return t
-
-    def held_bytes_by_device(self) -> dict[str, int]:
-        held: dict[str, int] = {}
-        for device, nbytes in self._storages.values():
-            held[device] = held.get(device, 0) + nbytes
-        return held
-
-
-def _key(t: Tensor) -> int:
-    return t.untyped_storage().data_ptr()
-
-
-def _unpack(t: Tensor) -> Tensor:
-    return t

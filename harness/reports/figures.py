@@ -11,7 +11,7 @@ import io
 import math
 from typing import Any
 
-from gradequiv.harness.findings import layer_errors
+from gradequiv.harness.reports.findings import layer_errors
 
 __all__ = ["MISSING_MATPLOTLIB", "frontier_png", "gradient_heatmap_png"]
 

@@ -299,3 +299,45 @@ class BackwardPeak(_ModeScope):
     def _new_mode(self) -> TorchDispatchMode:
         self._update()  # backward starts from what the forward left
         return _RecomputeRecorder(self)
+
+
+class SavedBytes:
+    """Bytes a compiled forward saves for backward, counted at ``saved_tensors_hooks``.
+
+    A compiled forward is one autograd Function to the outside: whatever its
+    graph keeps for backward goes through ``save_for_backward`` and so through
+    these hooks, while op-level counting cannot see inside it. Storages are
+    counted once; parameters, buffers and inputs (``exclude``) not at all.
+    """
+
+    def __init__(self, exclude: list[Tensor]) -> None:
+        self._exclude = {_storage_key(t) for t in exclude}
+        self._storages: dict[int, tuple[str, int]] = {}
+        self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, _unpack)
+
+    def __enter__(self) -> SavedBytes:
+        self._hooks.__enter__()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._hooks.__exit__(*exc)
+
+    def _pack(self, t: Tensor) -> Tensor:
+        key = _storage_key(t)
+        if key not in self._exclude:
+            self._storages[key] = (str(t.device), t.untyped_storage().nbytes())
+        return t
+
+    def held_bytes_by_device(self) -> dict[str, int]:
+        held: dict[str, int] = {}
+        for device, nbytes in self._storages.values():
+            held[device] = held.get(device, 0) + nbytes
+        return held
+
+
+def _storage_key(t: Tensor) -> int:
+    return t.untyped_storage().data_ptr()
+
+
+def _unpack(t: Tensor) -> Tensor:
+    return t

@@ -14,9 +14,9 @@ import base64
 from html import escape
 from typing import Any
 
-from gradequiv.harness.bundle import ReportBundle
-from gradequiv.harness.figures import MISSING_MATPLOTLIB, frontier_png, gradient_heatmap_png
-from gradequiv.harness.findings import find
+from gradequiv.harness.reports.bundle import ReportBundle
+from gradequiv.harness.reports.figures import MISSING_MATPLOTLIB, frontier_png, gradient_heatmap_png
+from gradequiv.harness.reports.findings import find
 
 __all__ = ["render_html"]
 

@@ -12,14 +12,14 @@ from importlib.resources import files
 from pathlib import Path
 from typing import Any
 
-from gradequiv.models import InvalidArgument
+from gradequiv.harness.errors import InvalidArgument
 
 __all__ = ["ReportBundle", "load_bundle", "report_schema"]
 
 
 def report_schema() -> dict[str, Any]:
     """The JSON Schema of report.json, as shipped in the package."""
-    text = files("gradequiv.harness").joinpath("report.schema.json").read_text("utf-8")
+    text = files("gradequiv.harness.reports").joinpath("report.schema.json").read_text("utf-8")
     schema: dict[str, Any] = json.loads(text)
     return schema
 

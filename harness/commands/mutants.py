@@ -16,18 +16,19 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from gradequiv.harness.mutants import MUTANTS
-from gradequiv.harness.report import write_json_atomic, write_text_atomic
+from gradequiv.harness.implementations.faults import MUTANTS
+from gradequiv.harness.options import DRAWN_MODELS, SuiteRun, check_options
+from gradequiv.harness.reports.report import write_json_atomic, write_text_atomic
 
 #: Correct implementations the suite must pass: torch's two, and the mutants' base.
 CORRECT = {
     "torch": ("transformer",),
     "torch-reentrant": ("transformer",),
     # torch's checkpoint updates BatchNorm statistics twice; the base restores them.
-    "gradequiv.harness.mutants:reference_checkpoint": ("transformer", "batchnorm"),
+    "gradequiv.harness.implementations.faults:reference_checkpoint": ("transformer", "batchnorm"),
 }
-MUTANT_MODELS = ("transformer", "batchnorm")
-MODULE = "gradequiv.harness.mutants"
+MUTANT_MODELS = DRAWN_MODELS
+MODULE = "gradequiv.harness.implementations.faults"
 
 
 @dataclass
@@ -44,17 +45,13 @@ class Outcome:
 
 def run_suite(spec: str, models: tuple[str, ...], *, seed: int, examples: int,
               device: str) -> tuple[int, dict[str, Any]]:
-    """One suite run in this process; its exit code and report."""
-    from gradequiv.harness.cli import run_pytest
+    """One suite run in this process, stopping at the first failure; its exit code and report."""
+    from gradequiv.harness.commands.check import run_suite as run_property_suite
 
     with tempfile.TemporaryDirectory(prefix="gradequiv-mutants-") as folder:
-        args = ["--pyargs", "gradequiv.properties", "-p", "no:cacheprovider", "-x",
-                "-p", "no:terminal",
-                f"--gradequiv-impl={spec}", f"--gradequiv-seed={seed}",
-                f"--gradequiv-examples={examples}", "--gradequiv-profile=ci",
-                "--gradequiv-no-shrink", f"--gradequiv-models={','.join(models)}",
-                f"--gradequiv-device={device}", f"--gradequiv-report-dir={folder}"]
-        code = run_pytest(args)
+        options = check_options(impl=spec, seed=seed, examples=examples, profile="ci",
+                                shrink=False, models=models, device=device, report_dir=folder)
+        code = run_property_suite(SuiteRun(options), ["-x", "-p", "no:terminal"])
         report_file = Path(folder) / "report.json"
         report = json.loads(report_file.read_text()) if report_file.exists() else {}
     return code, report
@@ -144,3 +141,28 @@ def write(folder: Path, outcomes: list[Outcome], summary: dict[str, Any],
         "summary": summary, "conditions": conditions,
         "outcomes": [asdict(o) for o in outcomes]})
     write_text_atomic(folder / "mutants.md", markdown(outcomes, summary))
+
+
+def run(args: Any) -> int:
+    """The mutants command: exit 0 when every mutant is caught and every correct one passes."""
+    from gradequiv.harness.engine.devices import resolve_device
+    from gradequiv.harness.reports.report import run_conditions
+
+    device = resolve_device(args.device)
+    print(f"gradequiv mutants: {len(MUTANTS)} mutants, {len(CORRECT)} correct "
+          f"implementations first; {args.examples} examples per property, seed {args.seed}, "
+          f"{device}", flush=True)
+    conditions = run_conditions(device, args.seed)
+
+    def write_partial(outcomes: list[Outcome]) -> None:
+        if args.report_dir is not None:
+            write(args.report_dir, outcomes, score(outcomes), conditions, complete=False)
+
+    outcomes = run_all(seed=args.seed, examples=args.examples, device=device.type,
+                       progress=lambda line: print(line, flush=True), after_each=write_partial)
+    summary = score(outcomes)
+    print(markdown(outcomes, summary).splitlines()[0])
+    if args.report_dir is not None:
+        write(args.report_dir, outcomes, summary, conditions)
+        print(f"report: {args.report_dir / 'mutants.json'}, {args.report_dir / 'mutants.md'}")
+    return 0 if summary["verdict"] == "pass" else 1

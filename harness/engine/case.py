@@ -13,12 +13,12 @@ from typing import Any
 
 import torch
 
+from gradequiv.harness.errors import InvalidArgument
 from gradequiv.models import (
     BatchConfig,
     BatchNormConfig,
     ExternalConfig,
     Granularity,
-    InvalidArgument,
     ModelConfig,
     TransformerConfig,
     parse_granularity,

@@ -20,10 +20,11 @@ from typing import Any
 import torch
 from torch import nn
 
-from gradequiv.harness.adapters import Implementation
-from gradequiv.harness.case import Case
-from gradequiv.harness.memory import ActivationCounter, BackwardPeak
-from gradequiv.models import Granularity, InvalidArgument, Workload, build
+from gradequiv.harness.engine.case import Case
+from gradequiv.harness.engine.memory import ActivationCounter, BackwardPeak
+from gradequiv.harness.errors import InvalidArgument
+from gradequiv.harness.implementations.adapters import Implementation
+from gradequiv.models import Granularity, Workload, build
 
 
 @dataclass
@@ -316,7 +317,7 @@ def markdown(result: ProfileResult) -> str:
 
 def plot(result: ProfileResult, path: Path) -> str | None:
     """Memory against step time as a PNG; the reason when matplotlib is missing."""
-    from gradequiv.harness.figures import MISSING_MATPLOTLIB, frontier_png
+    from gradequiv.harness.reports.figures import MISSING_MATPLOTLIB, frontier_png
 
     png = frontier_png(result.to_dict())
     if png is None:
@@ -324,3 +325,45 @@ def plot(result: ProfileResult, path: Path) -> str | None:
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_bytes(png)
     return None
+
+
+def run(args: Any) -> int:
+    """The profile command: measure, print the table, write DIR/profile.json (+ .md, .png)."""
+    from gradequiv.harness.engine.devices import resolve_device
+    from gradequiv.harness.implementations.resolve import resolve
+    from gradequiv.harness.reports.report import write_json_atomic
+    from gradequiv.harness.validate import impl_kwargs
+    from gradequiv.models import BatchConfig, TransformerConfig, parse_granularity
+
+    impl = resolve(args.impl, adapter=args.adapter, kwargs=impl_kwargs(args.impl_kwarg))
+    device = resolve_device(args.device)
+    granularities = [parse_granularity(text) for text in args.granularity.split(",")
+                     if text.strip()]
+    if not granularities:
+        raise InvalidArgument(f"--granularity={args.granularity!r} names none; "
+                              f"write e.g. none,layer,every:2")
+    rates = {site: args.dropout for site in
+             ("embd_dropout", "attn_dropout", "resid_dropout", "mlp_dropout")}
+    model = TransformerConfig(n_layer=args.layers, n_embd=args.width, n_head=args.heads,
+                              max_seq_len=args.seq_len, **rates)
+    case = Case(model=model, batch=BatchConfig(args.batch, args.seq_len, padding=False),
+                dtype=args.dtype, name="profile")
+    if case.dtype == "fp16-autocast" and device.type != "cuda":
+        raise InvalidArgument("--dtype=fp16-autocast needs CUDA; use fp32 or bf16-autocast")
+    print(f"gradequiv profile: {impl.spec} on {device}, {case.describe()}, "
+          f"{len(granularities)} granularities x {args.steps} steps", flush=True)
+    result = profile(impl, case, granularities, steps=args.steps, warmup=args.warmup,
+                     device=device)
+    table = markdown(result)
+    print(table)
+    if args.report_dir is not None:
+        missing = plot(result, args.report_dir / "profile.png")
+        data = result.to_dict() | {"plot": None if missing else "profile.png",
+                                   "plot_missing": missing}
+        write_json_atomic(args.report_dir / "profile.json", data)
+        (args.report_dir / "profile.md").write_text(
+            table + ("" if missing else "\n![memory against step time](profile.png)\n"),
+            encoding="utf-8")
+        print(f"report: {args.report_dir / 'profile.json'}" + (f" (no plot: {missing})"
+                                                              if missing else ""))
+    return 0

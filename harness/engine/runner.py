@@ -28,10 +28,10 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from gradequiv.harness.adapters import Implementation
-from gradequiv.harness.case import Case
-from gradequiv.harness.compiled import CompileSettings, SavedBytes, compile_model
-from gradequiv.harness.memory import ActivationCounter
+from gradequiv.harness.engine.case import Case
+from gradequiv.harness.engine.memory import ActivationCounter, SavedBytes
+from gradequiv.harness.implementations.adapters import Implementation
+from gradequiv.harness.implementations.compiled import CompileSettings, compile_model
 from gradequiv.models import Segment, Workload, build
 from gradequiv.models.segments import RoutedModel
 

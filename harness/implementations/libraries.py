@@ -1,4 +1,4 @@
-"""Built-in adapters for the recompute implementations users train with.
+"""Built-in adapters for the recompute implementations of the libraries users train with.
 
 Each adapter imports its library inside the call, so gradequiv installs and
 imports without any of them; a missing library is a caller's mistake
@@ -23,7 +23,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from gradequiv.models import InvalidArgument
+from gradequiv.harness.errors import InvalidArgument
 
 #: SPEC -> (pip extra, distribution the extra installs)
 EXTRAS = {
@@ -35,130 +35,23 @@ EXTRAS = {
 }
 
 
+def _import(module: str) -> ModuleType:
+    """The one place a library is imported (tests stand in a missing one here)."""
+    return importlib.import_module(module)
+
+
 def _library(spec: str, module: str) -> ModuleType:
     """Import ``module`` for SPEC, or say which extra installs it."""
     extra, dist = EXTRAS[spec]
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            return importlib.import_module(module)
+            return _import(module)
     except ImportError as exc:
         raise InvalidArgument(
             f"--impl={spec!r} needs {dist} ({module} could not be imported: {exc}); "
             f"install it with: pip install 'gradequiv[{extra}]'"
         ) from exc
-
-
-# -- torch: selective activation checkpoint (SAC) ------------------------------------------
-
-def _matmul_ops() -> frozenset[Any]:
-    """The matmul-like aten ops a 'matmuls' policy saves: the expensive ones to recompute.
-
-    ``aten.matmul`` and ``linear`` decompose before dispatch, so what a policy
-    sees are mm/addmm/bmm and the fused attention kernels of each backend.
-    """
-    aten = torch.ops.aten
-    names = ("mm", "addmm", "bmm", "baddbmm", "matmul", "linear",
-             "_scaled_dot_product_flash_attention", "_scaled_dot_product_efficient_attention",
-             "_scaled_dot_product_cudnn_attention", "_scaled_dot_product_flash_attention_for_cpu")
-    return frozenset(getattr(aten, n).default for n in names if hasattr(aten, n))
-
-
-SAC_POLICIES = ("matmuls", "none", "all")
-
-
-def _sac_policy(name: str) -> Callable[..., Any]:
-    from torch.utils.checkpoint import CheckpointPolicy
-
-    if name not in SAC_POLICIES:
-        raise InvalidArgument(
-            f"--impl-kwarg policy={name!r} is not one of {', '.join(SAC_POLICIES)} (matmuls: "
-            f"save mm/bmm/attention outputs; none: save nothing; all: save every op); "
-            f"write e.g. --impl-kwarg policy=matmuls"
-        )
-    saved = _matmul_ops() if name == "matmuls" else frozenset()
-
-    def policy(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> Any:
-        if name == "all" or op in saved:
-            return CheckpointPolicy.MUST_SAVE
-        return CheckpointPolicy.PREFER_RECOMPUTE
-
-    return policy
-
-
-def torch_sac(function: Callable[..., Any], *args: Any, policy: str = "matmuls",
-              **kwargs: Any) -> Any:
-    """torch.utils.checkpoint (non-reentrant) with a selective-checkpoint policy.
-
-    ``policy`` (``--impl-kwarg policy=...``): ``matmuls`` saves the outputs of
-    matmul-like ops and recomputes the rest (the usual SAC set-up), ``none``
-    recomputes everything (plain checkpoint), ``all`` saves every op (no
-    memory saved: the ``recompute`` property should fail).
-    """
-    from torch.utils.checkpoint import checkpoint, create_selective_checkpoint_contexts
-
-    chosen = _sac_policy(policy)
-    kwargs.setdefault("use_reentrant", False)
-    context_fn = functools.partial(create_selective_checkpoint_contexts, chosen)
-    return checkpoint(function, *args, context_fn=context_fn, **kwargs)
-
-
-# -- torch: checkpoint_wrapper ------------------------------------------------------------
-
-def torch_wrapper(module: nn.Module, *, reentrant: bool = False, **kwargs: Any) -> nn.Module:
-    """torch.distributed.algorithms' ``checkpoint_wrapper`` (NO_REENTRANT unless ``reentrant``).
-
-    Other keyword arguments (``preserve_rng_state``, ...) go to torch's
-    checkpoint, as ``checkpoint_wrapper`` forwards them.
-    """
-    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
-        CheckpointImpl,
-        checkpoint_wrapper,
-    )
-
-    if not isinstance(reentrant, bool):
-        raise InvalidArgument(
-            f"--impl-kwarg reentrant={reentrant!r} must be true or false"
-        )
-    impl = CheckpointImpl.REENTRANT if reentrant else CheckpointImpl.NO_REENTRANT
-    return checkpoint_wrapper(module, checkpoint_impl=impl, **kwargs)
-
-
-# -- torch: activation offload ---------------------------------------------------------------
-
-OFFLOAD = "offload"
-
-
-def _offloads(target: Callable[..., Any]) -> Callable[..., Any]:
-    """Mark ``target`` as keeping activations in host memory instead of recomputing them;
-    users mark their own the same way (``gradequiv_strategy = "offload"``)."""
-    target.gradequiv_strategy = OFFLOAD  # type: ignore[attr-defined]
-    return target
-
-
-@_offloads
-def torch_offload(function: Callable[..., Any], *args: Any, pin_memory: bool | None = None,
-                  **kwargs: Any) -> Any:
-    """The segment under ``torch.autograd.graph.save_on_cpu``: what autograd saves for
-    backward is copied to host memory and brought back in backward; nothing is recomputed.
-
-    ``pin_memory`` (``--impl-kwarg pin_memory=...``) defaults to whether the segment's
-    inputs are on CUDA (pinned host memory makes the copies asynchronous).
-    """
-    if pin_memory is None:
-        pin_memory = any(isinstance(a, torch.Tensor) and a.is_cuda for a in args)
-    if not isinstance(pin_memory, bool):
-        raise InvalidArgument(f"--impl-kwarg pin_memory={pin_memory!r} must be true or false")
-    with torch.autograd.graph.save_on_cpu(pin_memory=pin_memory):
-        return function(*args, **kwargs)
-
-
-@_offloads
-def torch_offload_wrapper(module: nn.Module) -> nn.Module:
-    """torch.distributed.algorithms' ``offload_wrapper``: save_on_cpu around the module."""
-    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import offload_wrapper
-
-    return offload_wrapper(module)
 
 
 # -- fairscale ------------------------------------------------------------------------------
@@ -248,16 +141,13 @@ def megatron_checkpoint(function: Callable[..., Any], *args: Any,
     return library.checkpoint(bound, distribute_saved_activations, *args)
 
 
-def require(spec: str, kwargs: dict[str, Any] | None = None) -> None:
-    """Raise InvalidArgument now if SPEC cannot run here (missing library, bad option, no CUDA).
+def require(spec: str) -> None:
+    """Raise InvalidArgument now if SPEC cannot run here (missing library, no CUDA).
 
     For resolution time, so such a mistake exits 2 before any case runs
     instead of failing every case.
     """
-    kwargs = kwargs or {}
-    if spec == "torch-sac":
-        _sac_policy(kwargs.get("policy", "matmuls"))
-    elif spec == "fairscale":
+    if spec == "fairscale":
         _library(spec, "fairscale.nn.checkpoint")
     elif spec in ("deepspeed", "deepspeed-nonreentrant"):
         _deepspeed_checkpointing(spec)

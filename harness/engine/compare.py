@@ -20,7 +20,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from gradequiv.models import InvalidArgument
+from gradequiv.harness.errors import InvalidArgument
 
 #: Upper caps per precision regime (torch.testing.assert_close's rtol): never a licence.
 DTYPE_CAPS = {"fp32": 1.3e-6, "bf16-autocast": 1.6e-2, "fp16-autocast": 1e-3}

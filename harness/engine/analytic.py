@@ -22,8 +22,9 @@ from dataclasses import dataclass
 
 import torch
 
-from gradequiv.harness.memory import ActivationCounter
-from gradequiv.models import BatchConfig, InvalidArgument, Transformer, TransformerConfig, build
+from gradequiv.harness.engine.memory import ActivationCounter
+from gradequiv.harness.errors import InvalidArgument
+from gradequiv.models import BatchConfig, Transformer, TransformerConfig, build
 
 __all__ = [
     "CPU_FP32", "KORTHIKANTI_16BIT", "Term", "korthikanti_bytes", "layer_bytes", "layer_terms",

@@ -33,10 +33,11 @@ from torch.multiprocessing.spawn import (
     start_processes,
 )
 
-from gradequiv.harness.adapters import Implementation
-from gradequiv.harness.case import Case
-from gradequiv.harness.compare import Tolerance, measure_pairs
-from gradequiv.models import InvalidArgument, build
+from gradequiv.harness.engine.case import Case
+from gradequiv.harness.engine.compare import Tolerance, measure_pairs
+from gradequiv.harness.errors import InvalidArgument
+from gradequiv.harness.implementations.adapters import Implementation
+from gradequiv.models import build
 
 __all__ = ["WRAPPERS", "DistributedVerdict", "verify_distributed"]
 
@@ -159,7 +160,7 @@ def _rank_main(rank: int, world_size: int, spec: tuple[str, str, dict[str, Any]]
         dist.init_process_group("nccl" if device.type == "cuda" else "gloo",
                                 init_method=f"file://{out / 'rendezvous'}",
                                 rank=rank, world_size=world_size)
-        from gradequiv.harness.adapters import resolve
+        from gradequiv.harness.implementations.resolve import resolve
 
         impl = resolve(spec[0], adapter=spec[1], kwargs=spec[2])
         case = Case.from_json(case_json)
@@ -220,3 +221,30 @@ def _full(t: Tensor) -> Tensor:
     full = t.full_tensor() if hasattr(t, "full_tensor") else t
     return full.detach().to("cpu", copy=True)
 
+
+
+def run(args: Any) -> int:
+    """The distributed command: exit 1 when any wrapper's ranks disagree with full storage."""
+    from gradequiv.harness.engine.spread import load_case
+    from gradequiv.harness.implementations.resolve import resolve
+    from gradequiv.harness.validate import impl_kwargs
+
+    wrappers = list(WRAPPERS) if args.wrapper == "both" else [args.wrapper]
+    impl = resolve(args.impl, adapter=args.adapter, kwargs=impl_kwargs(args.impl_kwarg))
+    case = load_case(args.case)
+    failed = False
+    for wrapper in wrappers:
+        backend = "NCCL" if args.device == "cuda" else "gloo"
+        print(f"gradequiv distributed: {impl.spec} under {wrapper}, {args.world_size} ranks "
+              f"({backend}), {case.describe()}", flush=True)
+        verdict = verify_distributed(impl, case, wrapper=wrapper, device=args.device,
+                                     world_size=args.world_size, timeout_s=args.timeout)
+        if verdict.passed:
+            print(f"  pass: {verdict.compared} tensors equal on every rank "
+                  f"({verdict.seconds:.1f} s)")
+        else:
+            failed = True
+            print(f"  FAIL: {verdict.first_failure}")
+            for line in verdict.failures[1:5]:
+                print(f"        {line}")
+    return 1 if failed else 0

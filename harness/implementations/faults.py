@@ -235,7 +235,7 @@ def switches() -> list[str]:
 
 
 # Each mutant as a module attribute, so a SPEC can name it:
-# ``gradequiv check --impl gradequiv.harness.mutants:no_rng_restore``.
+# ``gradequiv check --impl gradequiv.harness.implementations.faults:no_rng_restore``.
 for _mutant_entry in MUTANTS:
     globals()[_mutant_entry.name.replace("-", "_")] = _mutant_entry.impl
 del _mutant_entry

@@ -13,11 +13,11 @@ from dataclasses import replace
 from pathlib import Path
 from typing import TypedDict
 
-from gradequiv.harness.case import Case
+from gradequiv.harness.engine.case import Case
+from gradequiv.harness.errors import InvalidArgument
 from gradequiv.models import (
     BatchConfig,
     BatchNormConfig,
-    InvalidArgument,
     TransformerConfig,
     parse_granularity,
 )

@@ -25,8 +25,8 @@ from torch import Tensor, nn
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
-from gradequiv.harness.adapters import Implementation
-from gradequiv.harness.case import Case
+from gradequiv.harness.engine.case import Case
+from gradequiv.harness.implementations.adapters import Implementation
 from gradequiv.models import build
 
 __all__ = ["Divergence", "Localisation", "localise"]

@@ -1,0 +1,89 @@
+"""``gradequiv check``: validate the run's options, resolve the implementation, run the suite.
+
+Every mistake that can be found before the first case is found here and is a
+usage error (exit 2). The suite then runs under pytest in this process,
+handed the options object and the resolved implementation as a
+:class:`~gradequiv.harness.options.SuiteRun` plugin object;
+pytest's own command line only carries pytest's options.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import tempfile
+from dataclasses import replace
+from pathlib import Path
+
+from gradequiv.harness.errors import InvalidArgument
+from gradequiv.harness.options import CheckOptions, SuiteRun
+
+EXIT_PASS, EXIT_FAIL, EXIT_USAGE, EXIT_INTERRUPTED = 0, 1, 2, 130
+
+def run(options: CheckOptions) -> int:
+    """The check command: exit 0 pass, 1 fail, 2 usage error, 130 interrupted."""
+    # torch is imported here, not at module import, so --help and usage errors stay fast.
+    import torch
+
+    from gradequiv.harness.engine.compare import Tolerance
+    from gradequiv.harness.engine.devices import resolve_device
+    from gradequiv.harness.engine.spread import load_case
+    from gradequiv.harness.implementations.libraries import HF_NEEDS_MODEL
+    from gradequiv.harness.implementations.resolve import resolve
+
+    if options.impl is None:
+        raise InvalidArgument("--impl is required; name a built-in (e.g. --impl torch) or a "
+                              "'module:attr' reference")
+    impl = resolve(options.impl, adapter=options.adapter, kwargs=options.kwargs)
+    device = resolve_device(options.device)
+    options = replace(options, device=device.type)
+    case = None
+    if options.case is not None:
+        case = load_case(options.case)
+        Tolerance(case.dtype, options.rtol, options.atol)
+    if options.model is not None:
+        check_model(options.model)
+    elif impl.spec == "hf" and (case is None or case.model_kind != "external"):
+        raise InvalidArgument(HF_NEEDS_MODEL)
+    Tolerance("fp32", options.rtol, options.atol)
+
+    shard = "" if options.shard == (1, 1) else f", shard {options.shard[0]}/{options.shard[1]}"
+    print(f"gradequiv check: {impl.spec} ({impl.adapter}) on {device}, torch "
+          f"{torch.__version__}, {torch.get_num_threads()} threads{shard}", flush=True)
+    code = run_suite(SuiteRun(options, impl), ["-q"])
+    if code == 2:
+        print("gradequiv: interrupted; the report keeps what finished, marked incomplete",
+              file=sys.stderr)
+    return {0: EXIT_PASS, 1: EXIT_FAIL, 2: EXIT_INTERRUPTED}.get(code, EXIT_USAGE)
+
+
+def check_model(spec: str) -> None:
+    """Build the user's model once: a factory that cannot build is exit 2, not 30 failures."""
+    from gradequiv.models import BatchConfig, ExternalConfig, build
+
+    try:
+        build(ExternalConfig(spec), BatchConfig(), 0, "cpu")
+    except InvalidArgument:
+        raise
+    except Exception as exc:
+        raise InvalidArgument(f"--model={spec!r}: the factory raised {type(exc).__name__}: "
+                              f"{exc}") from exc
+
+
+def run_suite(suite_run: SuiteRun, pytest_args: list[str]) -> int:
+    """pytest.main on the property suite, blind to the current folder's pytest configuration.
+
+    The caller's addopts, filterwarnings or plugins must not change a verdict;
+    an empty ini file in a temporary folder stands in for theirs.
+    """
+    import pytest
+
+    args = ["--pyargs", "gradequiv.properties", "-p", "no:cacheprovider",
+            "-W", "ignore::pytest.PytestAssertRewriteWarning", *pytest_args]
+    if os.environ.get("PYTEST_DISABLE_PLUGIN_AUTOLOAD"):
+        args += ["-p", "gradequiv.properties.plugin"]
+    with tempfile.TemporaryDirectory(prefix="gradequiv-") as folder:
+        ini = Path(folder) / "pytest.ini"
+        ini.write_text("[pytest]\n", encoding="utf-8")
+        return int(pytest.main(["-c", str(ini), f"--rootdir={folder}", *args],
+                               plugins=[suite_run]))

@@ -1,0 +1,152 @@
+"""torch's own ways to save activation memory, as built-in implementations.
+
+Plain checkpoint (non-reentrant and reentrant), selective checkpoint (SAC)
+with a policy, ``checkpoint_wrapper``, and offload (``save_on_cpu``,
+``offload_wrapper``). Each imports what it uses inside the call.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import nn
+
+from gradequiv.harness.errors import InvalidArgument
+from gradequiv.harness.implementations.adapters import OFFLOAD
+
+# -- torch: plain checkpoint ------------------------------------------------------------------
+
+def torch_checkpoint(function: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+    """torch.utils.checkpoint, non-reentrant (the variant torch recommends)."""
+    from torch.utils.checkpoint import checkpoint
+
+    kwargs.setdefault("use_reentrant", False)
+    return checkpoint(function, *args, **kwargs)
+
+
+_REENTRANT_OPTIONS = ("preserve_rng_state", "determinism_check", "debug", "context_fn")
+
+
+def torch_reentrant_checkpoint(function: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+    """torch.utils.checkpoint with ``use_reentrant=True``.
+
+    The reentrant variant refuses keyword arguments for the function, so they
+    are bound with functools.partial, as users of this variant do.
+    """
+    from torch.utils.checkpoint import checkpoint
+
+    options = {k: kwargs.pop(k) for k in _REENTRANT_OPTIONS if k in kwargs}
+    bound = functools.partial(function, **kwargs) if kwargs else function
+    return checkpoint(bound, *args, use_reentrant=True, **options)
+
+
+# -- torch: selective activation checkpoint (SAC) ------------------------------------------
+
+def _matmul_ops() -> frozenset[Any]:
+    """The matmul-like aten ops a 'matmuls' policy saves: the expensive ones to recompute.
+
+    ``aten.matmul`` and ``linear`` decompose before dispatch, so what a policy
+    sees are mm/addmm/bmm and the fused attention kernels of each backend.
+    """
+    aten = torch.ops.aten
+    names = ("mm", "addmm", "bmm", "baddbmm", "matmul", "linear",
+             "_scaled_dot_product_flash_attention", "_scaled_dot_product_efficient_attention",
+             "_scaled_dot_product_cudnn_attention", "_scaled_dot_product_flash_attention_for_cpu")
+    return frozenset(getattr(aten, n).default for n in names if hasattr(aten, n))
+
+
+SAC_POLICIES = ("matmuls", "none", "all")
+
+
+def sac_policy(name: str) -> Callable[..., Any]:
+    from torch.utils.checkpoint import CheckpointPolicy
+
+    if name not in SAC_POLICIES:
+        raise InvalidArgument(
+            f"--impl-kwarg policy={name!r} is not one of {', '.join(SAC_POLICIES)} (matmuls: "
+            f"save mm/bmm/attention outputs; none: save nothing; all: save every op); "
+            f"write e.g. --impl-kwarg policy=matmuls"
+        )
+    saved = _matmul_ops() if name == "matmuls" else frozenset()
+
+    def policy(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> Any:
+        if name == "all" or op in saved:
+            return CheckpointPolicy.MUST_SAVE
+        return CheckpointPolicy.PREFER_RECOMPUTE
+
+    return policy
+
+
+def torch_sac(function: Callable[..., Any], *args: Any, policy: str = "matmuls",
+              **kwargs: Any) -> Any:
+    """torch.utils.checkpoint (non-reentrant) with a selective-checkpoint policy.
+
+    ``policy`` (``--impl-kwarg policy=...``): ``matmuls`` saves the outputs of
+    matmul-like ops and recomputes the rest (the usual SAC set-up), ``none``
+    recomputes everything (plain checkpoint), ``all`` saves every op (no
+    memory saved: the ``recompute`` property should fail).
+    """
+    from torch.utils.checkpoint import checkpoint, create_selective_checkpoint_contexts
+
+    chosen = sac_policy(policy)
+    kwargs.setdefault("use_reentrant", False)
+    context_fn = functools.partial(create_selective_checkpoint_contexts, chosen)
+    return checkpoint(function, *args, context_fn=context_fn, **kwargs)
+
+
+# -- torch: checkpoint_wrapper ------------------------------------------------------------
+
+def torch_wrapper(module: nn.Module, *, reentrant: bool = False, **kwargs: Any) -> nn.Module:
+    """torch.distributed.algorithms' ``checkpoint_wrapper`` (NO_REENTRANT unless ``reentrant``).
+
+    Other keyword arguments (``preserve_rng_state``, ...) go to torch's
+    checkpoint, as ``checkpoint_wrapper`` forwards them.
+    """
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
+        CheckpointImpl,
+        checkpoint_wrapper,
+    )
+
+    if not isinstance(reentrant, bool):
+        raise InvalidArgument(
+            f"--impl-kwarg reentrant={reentrant!r} must be true or false"
+        )
+    impl = CheckpointImpl.REENTRANT if reentrant else CheckpointImpl.NO_REENTRANT
+    return checkpoint_wrapper(module, checkpoint_impl=impl, **kwargs)
+
+
+# -- torch: activation offload ---------------------------------------------------------------
+
+def _offloads(target: Callable[..., Any]) -> Callable[..., Any]:
+    """Mark ``target`` as keeping activations in host memory instead of recomputing them;
+    users mark their own the same way (``gradequiv_strategy = "offload"``)."""
+    target.gradequiv_strategy = OFFLOAD  # type: ignore[attr-defined]
+    return target
+
+
+@_offloads
+def torch_offload(function: Callable[..., Any], *args: Any, pin_memory: bool | None = None,
+                  **kwargs: Any) -> Any:
+    """The segment under ``torch.autograd.graph.save_on_cpu``: what autograd saves for
+    backward is copied to host memory and brought back in backward; nothing is recomputed.
+
+    ``pin_memory`` (``--impl-kwarg pin_memory=...``) defaults to whether the segment's
+    inputs are on CUDA (pinned host memory makes the copies asynchronous).
+    """
+    if pin_memory is None:
+        pin_memory = any(isinstance(a, torch.Tensor) and a.is_cuda for a in args)
+    if not isinstance(pin_memory, bool):
+        raise InvalidArgument(f"--impl-kwarg pin_memory={pin_memory!r} must be true or false")
+    with torch.autograd.graph.save_on_cpu(pin_memory=pin_memory):
+        return function(*args, **kwargs)
+
+
+@_offloads
+def torch_offload_wrapper(module: nn.Module) -> nn.Module:
+    """torch.distributed.algorithms' ``offload_wrapper``: save_on_cpu around the module."""
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import offload_wrapper
+
+    return offload_wrapper(module)

@@ -1,0 +1,133 @@
+"""The validators of caller input: each takes the option's name and its raw value, returns
+the typed value or raises :class:`InvalidArgument` (name=value, the rule, a fix).
+
+Pure Python (no torch): the command line, the pytest plugin and the side commands
+all validate through these, so a rule and its message exist once.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import math
+from collections.abc import Callable, Iterable
+from typing import Any, TypeVar
+
+from gradequiv.harness.errors import InvalidArgument
+
+__all__ = [
+    "as_argparse_type",
+    "bound",
+    "boolean",
+    "choice",
+    "impl_kwargs",
+    "shard",
+    "whole_number",
+]
+
+T = TypeVar("T")
+
+#: The largest seed: torch's generators take 64 bits, Hypothesis any int; keep one rule.
+MAX_SEED = 2**32 - 1
+
+
+def whole_number(name: str, value: Any, *, low: int = 1, high: int | None = None) -> int:
+    """``value`` as an int in ``[low, high]``."""
+    if isinstance(value, bool):
+        raise InvalidArgument(f"{name}={value!r} is not a whole number")
+    try:
+        number = int(str(value).strip()) if not isinstance(value, int) else value
+    except ValueError:
+        raise InvalidArgument(f"{name}={value!r} is not a whole number; write e.g. "
+                              f"{name} {max(low, 1)}") from None
+    if number < low:
+        raise InvalidArgument(f"{name}={number}: must be at least {low}")
+    if high is not None and number > high:
+        raise InvalidArgument(f"{name}={number}: must be at most {high}")
+    return number
+
+
+def bound(name: str, value: Any) -> float:
+    """``value`` as a finite float >= 0 (tolerances, probabilities, seconds)."""
+    try:
+        number = float(value)
+    except (TypeError, ValueError):
+        raise InvalidArgument(f"{name}={value!r} is not a number; write e.g. {name} 1e-5") \
+            from None
+    if not (number >= 0 and math.isfinite(number)):
+        raise InvalidArgument(f"{name}={number}: must be a finite number >= 0")
+    return number
+
+
+def shard(name: str, value: Any) -> tuple[int, int]:
+    """``"I/N"`` as ``(I, N)`` with ``1 <= I <= N``."""
+    index, sep, count = str(value).partition("/")
+    try:
+        parsed = (int(index), int(count))
+    except ValueError:
+        parsed = (0, 0)
+    if not sep or not 1 <= parsed[0] <= parsed[1]:
+        raise InvalidArgument(f"{name}={value!r} is not I/N with 1 <= I <= N; "
+                              f"write e.g. {name} 2/4")
+    return parsed
+
+
+def choice(name: str, value: Any, choices: Iterable[str]) -> str:
+    """``value`` if it is one of ``choices``."""
+    allowed = tuple(choices)
+    if value not in allowed:
+        raise InvalidArgument(f"{name}={value!r} is not one of {', '.join(allowed)}")
+    return str(value)
+
+
+_WORDS = {"true": True, "false": False, "1": True, "0": False, "yes": True, "no": False}
+
+
+def boolean(name: str, value: Any) -> bool:
+    """True/false, strictly: ``maybe`` is a mistake, not False."""
+    if isinstance(value, bool):
+        return value
+    word = str(value).strip().lower()
+    if word not in _WORDS:
+        raise InvalidArgument(f"{name}={value!r} is not true or false; write {name} true "
+                              f"or {name} false")
+    return _WORDS[word]
+
+
+def impl_kwargs(items: Iterable[str], *, name: str = "--impl-kwarg") -> dict[str, Any]:
+    """Parse repeated ``KEY=VALUE``; values read as Python literals, true/false/none too."""
+    parsed: dict[str, Any] = {}
+    for item in items:
+        key, sep, raw = str(item).partition("=")
+        key = key.strip()
+        if not sep or not key.isidentifier():
+            raise InvalidArgument(
+                f"{name}={item!r} is not KEY=VALUE with KEY a Python identifier; "
+                f"write e.g. {name} preserve_rng_state=false"
+            )
+        parsed[key] = _literal(raw.strip())
+    return parsed
+
+
+def _literal(raw: str) -> Any:
+    words = {"true": True, "false": False, "none": None, "null": None}
+    if raw.lower() in words:
+        return words[raw.lower()]
+    try:
+        return ast.literal_eval(raw)
+    except (ValueError, SyntaxError):
+        return raw
+
+
+def as_argparse_type(check: Callable[[str, Any], T], name: str) -> Callable[[str], T]:
+    """A validator as an argparse ``type=``: argparse shows an ArgumentTypeError's message,
+    but replaces a ValueError's (InvalidArgument is one) with a bare 'invalid value'."""
+
+    def convert(text: str) -> T:
+        try:
+            return check(name, text)
+        except InvalidArgument as exc:
+            raise argparse.ArgumentTypeError(str(exc)) from exc
+
+    convert.__name__ = check.__name__
+    return convert
