@@ -58,8 +58,8 @@ def test_an_interrupted_mutants_run_keeps_what_finished(tmp_path: object,
     import json
     from pathlib import Path
 
-    from gradequiv.harness.commands import mutants as mutation
     from gradequiv.harness.cli import main
+    from gradequiv.harness.commands import mutants as mutation
     from gradequiv.harness.reports.bundle import load_bundle
 
     seen: list[int] = []
