@@ -18,6 +18,7 @@ from torch import nn
 
 from gradequiv.harness import validate
 from gradequiv.harness.errors import InvalidArgument
+from gradequiv.harness.implementations.torch_builtins import OFFLOAD
 from gradequiv.harness.options import ADAPTERS
 from gradequiv.models import Segment
 from gradequiv.models.segments import Router
@@ -25,9 +26,6 @@ from gradequiv.models.segments import Router
 if TYPE_CHECKING:
     from gradequiv.harness.implementations.compiled import CompileSpec
 
-#: ``gradequiv_strategy`` of a target that keeps activations in host memory instead of
-#: recomputing them (torch's offloads; users mark their own the same way).
-OFFLOAD = "offload"
 
 
 @dataclass

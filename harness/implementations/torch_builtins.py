@@ -15,7 +15,10 @@ import torch
 from torch import nn
 
 from gradequiv.harness.errors import InvalidArgument
-from gradequiv.harness.implementations.adapters import OFFLOAD
+
+#: ``gradequiv_strategy`` of a target that keeps activations in host memory instead of
+#: recomputing them (torch's offloads below; users mark their own the same way).
+OFFLOAD = "offload"
 
 # -- torch: plain checkpoint ------------------------------------------------------------------
 
