@@ -11,9 +11,10 @@
 #     $tmp/gradequiv/properties -> <repo>/properties
 #
 # (gradequiv itself a namespace package, as installed) and runs mypy there.
-# mypy names files by that tree, gradequiv/harness/case.py and so on; the
-# output is rewritten so that every path is relative to the repository root
-# (gradequiv/harness/case.py -> harness/case.py), the path to open.
+# mypy names files by that tree, gradequiv/harness/engine/case.py and so on;
+# the output is rewritten so that every path is relative to the repository
+# root (gradequiv/harness/engine/case.py -> harness/engine/case.py, at any
+# depth of sub-package), the path to open.
 #
 # Usage: ci/typecheck.sh [extra mypy arguments...]
 #   e.g. ci/typecheck.sh --no-incremental, ci/typecheck.sh --warn-unreachable
