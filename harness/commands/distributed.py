@@ -20,7 +20,7 @@ import os
 import tempfile
 import time
 import traceback
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -35,9 +35,9 @@ from torch.multiprocessing.spawn import (
 
 from gradequiv.harness.engine.case import Case
 from gradequiv.harness.engine.compare import Tolerance, measure_pairs
+from gradequiv.harness.engine.path import prepare
 from gradequiv.harness.errors import InvalidArgument
 from gradequiv.harness.implementations.adapters import Implementation
-from gradequiv.models import build
 
 __all__ = ["WRAPPERS", "DistributedVerdict", "verify_distributed"]
 
@@ -176,16 +176,16 @@ def _rank_main(rank: int, world_size: int, spec: tuple[str, str, dict[str, Any]]
 
 def _train(case: Case, impl: Implementation | None, wrapper: str, rank: int,
            world_size: int, device: torch.device) -> dict[str, Tensor]:
-    """``case.steps`` SGD steps on this rank's share of the fixed batch; what it saw."""
-    workload = build(case.model, case.batch, case.seed, device)  # same weights on every rank
-    model = workload.model
-    segments = workload.segments(case.granularity)
-    if impl is not None:
-        impl.install(model, segments)
-    else:
-        model.router.install(segments, None)
-    inputs = tuple(t[rank::world_size] if t is not None else None for t in workload.inputs)
-    targets = workload.targets[rank::world_size]
+    """``case.steps`` SGD steps on this rank's share of the fixed batch; what it saw.
+
+    Every rank builds the same weights, but seeds the training stream ``rank``
+    past the case's: each rank draws its own dropout masks, as in real training.
+    """
+    path = prepare(case, impl, device, seed_offset=rank)  # wrapping below draws nothing
+    model = path.model
+    path = replace(path, inputs=tuple(t[rank::world_size] if t is not None else None
+                                      for t in path.inputs),
+                   targets=path.targets[rank::world_size])
     wrapped: Any
     if wrapper == "ddp":
         from torch.nn.parallel import DistributedDataParallel
@@ -198,13 +198,10 @@ def _train(case: Case, impl: Implementation | None, wrapper: str, rank: int,
             fully_shard(block)
         wrapped = fully_shard(model)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
-    torch.manual_seed(case.seed + 1 + rank)  # each rank draws its own dropout masks (and GPU)
     seen: dict[str, Tensor] = {}
-    model.train()
     for step in range(1, case.steps + 1):
         optimizer.zero_grad(set_to_none=True)
-        with case.autocast(device):
-            loss = workload.loss_fn(wrapped(*inputs), targets)
+        loss = path.forward(wrapped)[1]
         loss.backward()  # type: ignore[no-untyped-call]  # untyped in torch
         seen[f"step {step} loss"] = loss.detach().clone()
         for name, param in model.named_parameters():

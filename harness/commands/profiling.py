@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import statistics
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -21,10 +21,11 @@ import torch
 from torch import nn
 
 from gradequiv.harness.engine.case import Case
-from gradequiv.harness.engine.memory import ActivationCounter, BackwardPeak
+from gradequiv.harness.engine.memory import ActivationCounter, AllocatorWatch, BackwardPeak
+from gradequiv.harness.engine.path import prepare
 from gradequiv.harness.errors import InvalidArgument
 from gradequiv.harness.implementations.adapters import Implementation
-from gradequiv.models import Granularity, Workload, build
+from gradequiv.models import Granularity
 
 
 @dataclass
@@ -83,39 +84,6 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-class _AllocatorWatch:
-    """The CUDA caching allocator's figures for one step, against the moment before it."""
-
-    def __init__(self, device: torch.device) -> None:
-        self.on = device.type == "cuda"
-        self.held: dict[str, int | None] = {"cuda_allocated_held_bytes": None,
-                                            "cuda_requested_held_bytes": None}
-        if self.on:
-            torch.cuda.synchronize(device)
-            torch.cuda.reset_peak_memory_stats(device)
-            self.device = device
-            self.before = self._now()
-
-    def _now(self) -> tuple[int, int]:
-        stats = torch.cuda.memory_stats(self.device)
-        return stats.get("allocated_bytes.all.current", 0), stats.get(
-            "requested_bytes.all.current", 0)
-
-    def after_forward(self) -> None:
-        if self.on:
-            torch.cuda.synchronize(self.device)
-            allocated, requested = self._now()
-            self.held = {"cuda_allocated_held_bytes": allocated - self.before[0],
-                         "cuda_requested_held_bytes": requested - self.before[1]}
-
-    def after_backward(self) -> dict[str, int | None]:
-        peak = None
-        if self.on:
-            torch.cuda.synchronize(self.device)
-            peak = torch.cuda.max_memory_allocated(self.device) - self.before[0]
-        return {**self.held, "cuda_max_allocated_bytes": peak}
-
-
 class _RecomputeClock:
     """Time spent in segment forwards while backward runs: the recompute's own share.
 
@@ -168,13 +136,11 @@ class _Runner:
 
     def __init__(self, case: Case, granularity: Granularity, impl: Implementation,
                  device: torch.device) -> None:
-        self.case, self.device = case, device
-        self.workload: Workload = build(case.model, case.batch, case.seed, device)
-        segments = self.workload.segments(granularity)
-        impl.install(self.workload.model, segments)
-        self.model = self.workload.model.train()
+        self.device = device
+        self.path = prepare(replace(case, granularity=granularity), impl, device)
+        self.model = self.path.model
         self.optimizer = torch.optim.SGD(self.model.parameters(), lr=1e-3)
-        self.clock = _RecomputeClock([s.module for s in segments], device)
+        self.clock = _RecomputeClock([s.module for s in self.path.segments], device)
         self.forward_s: list[float] = []
         self.backward_s: list[float] = []
         self.recompute_s: list[float] = []
@@ -183,12 +149,10 @@ class _Runner:
     def memory(self) -> dict[str, int | None]:
         """Bytes held between forward and backward, the peak during backward, and on CUDA
         the allocator's figures for the same step (they include the output and loss)."""
-        never = [*self.model.parameters(), *self.model.buffers()]
-        never += [t for t in self.workload.inputs if t is not None]
-        allocator = _AllocatorWatch(self.device)
-        with ActivationCounter(exclude=never) as counter, self.case.autocast(self.device):
-            out = self.model(*self.workload.inputs)
-            loss = self.workload.loss_fn(out, self.workload.targets)
+        never = self.path.not_activations()
+        allocator = AllocatorWatch(self.device)
+        with ActivationCounter(exclude=never) as counter:
+            out, loss = self.path.forward()
         allocator.after_forward()
         held = counter.held_bytes(ignore=[out, loss])
         self.held_on = counter.held_bytes_by_device(ignore=[out, loss])
@@ -205,8 +169,7 @@ class _Runner:
         self.optimizer.zero_grad(set_to_none=True)
         _sync(self.device)
         started = time.perf_counter()
-        with self.case.autocast(self.device):
-            loss = self.workload.loss_fn(self.model(*self.workload.inputs), self.workload.targets)
+        loss = self.path.forward()[1]  # the outputs dropped: backward keeps what it needs
         _sync(self.device)
         middle = time.perf_counter()
         self.clock.in_backward = True

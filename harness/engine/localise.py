@@ -26,8 +26,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
 from gradequiv.harness.engine.case import Case
+from gradequiv.harness.engine.path import build_path
 from gradequiv.harness.implementations.adapters import Implementation
-from gradequiv.models import build
 
 __all__ = ["Divergence", "Localisation", "localise"]
 
@@ -171,19 +171,18 @@ def localise(impl: Implementation, case: Case, device: str | torch.device = "cpu
         return Localisation(None, f"{impl.spec} recomputes inside a compiled graph, whose fused "
                                   f"kernels leave no op-level record to compare; the op-level "
                                   f"search needs an eager implementation")
-    workload = build(case.model, case.batch, case.seed, device)
-    model = workload.model
-    segments = workload.segments(case.granularity)
+    path = build_path(case, device)
+    segments = path.segments
     if not segments:
         return Localisation(None, "the case recomputes no segment")
-    impl.install(model, segments)
-    model.train()
-    tracker = _Tracker(model, {id(s.module): s.name for s in segments},
+    path.install(impl)
+    path.model.train()
+    tracker = _Tracker(path.model, {id(s.module): s.name for s in segments},
                        {s.module: s.name for s in segments})
-    torch.default_generator.manual_seed(case.seed + 1)  # the runner's training stream
+    path.seed()  # the runner's training stream: the masks the verdict saw
     try:
-        with _Recorder(tracker), case.autocast(device):
-            loss = workload.loss_fn(model(*workload.inputs), workload.targets)
+        with _Recorder(tracker):
+            loss = path.forward()[1]
         tracker.backward = True
         with _Recorder(tracker):
             loss.backward()  # type: ignore[no-untyped-call]  # untyped in torch

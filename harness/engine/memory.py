@@ -18,6 +18,11 @@ forward, a full collection afterwards changes no count (``tests/test_memory.py``
 checks this). A full ``gc.collect()`` would cost about 130 ms with torch
 imported, more than a whole small case. A forward that itself ties tensors into
 reference cycles would be over-counted by them until the collector runs.
+
+Every held-bytes figure the harness reports is made here, so that they all
+mean the same: ``ActivationCounter`` (after an eager forward), ``BackwardPeak``
+(during backward), ``SavedBytes`` (a compiled graph) and ``AllocatorWatch``
+(the CUDA allocator's own view, beside the count).
 """
 
 from __future__ import annotations
@@ -34,7 +39,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 if TYPE_CHECKING:
     from typing import Self
 
-__all__ = ["ActivationCounter", "BackwardPeak", "tensor_storage_bytes"]
+__all__ = ["ActivationCounter", "AllocatorWatch", "BackwardPeak", "SavedBytes",
+           "tensor_storage_bytes"]
 
 # Per op overload, which of its returns can be a new storage: True (all),
 # False (none: views, in-place and out= ops return an input's storage), or the
@@ -341,3 +347,41 @@ def _storage_key(t: Tensor) -> int:
 
 def _unpack(t: Tensor) -> Tensor:
     return t
+
+
+class AllocatorWatch:
+    """The CUDA caching allocator's figures for one step, against the moment before it.
+
+    Not a count of activations (the output and loss are in it, and the
+    allocator rounds), but the figure a CUDA user sees, to set beside the count.
+    Off (every figure ``None``) on other devices.
+    """
+
+    def __init__(self, device: torch.device) -> None:
+        self.on = device.type == "cuda"
+        self.held: dict[str, int | None] = {"cuda_allocated_held_bytes": None,
+                                            "cuda_requested_held_bytes": None}
+        if self.on:
+            torch.cuda.synchronize(device)
+            torch.cuda.reset_peak_memory_stats(device)
+            self.device = device
+            self.before = self._now()
+
+    def _now(self) -> tuple[int, int]:
+        stats = torch.cuda.memory_stats(self.device)
+        return stats.get("allocated_bytes.all.current", 0), stats.get(
+            "requested_bytes.all.current", 0)
+
+    def after_forward(self) -> None:
+        if self.on:
+            torch.cuda.synchronize(self.device)
+            allocated, requested = self._now()
+            self.held = {"cuda_allocated_held_bytes": allocated - self.before[0],
+                         "cuda_requested_held_bytes": requested - self.before[1]}
+
+    def after_backward(self) -> dict[str, int | None]:
+        peak = None
+        if self.on:
+            torch.cuda.synchronize(self.device)
+            peak = torch.cuda.max_memory_allocated(self.device) - self.before[0]
+        return {**self.held, "cuda_max_allocated_bytes": peak}

@@ -1,13 +1,13 @@
 """Run one case down one path and observe everything the properties need.
 
-A path is: build the workload from the case's seed (so every path starts from
-the same weights and batch), route the selected segments through the
-implementation (or call them plainly: the full-storage path), then train for
-``case.steps`` optimizer steps from one seeded random stream. Observed per
-step: loss, outputs, every parameter and input gradient (``None`` kept as
-``None``), buffers, RNG state, and how often each segment's forward ran in
-the forward and in the backward phase; once: the activation bytes held for
-backward after the first forward, and the final parameters.
+A path (set up by :mod:`.path`) is: build the workload from the case's seed
+(so every path starts from the same weights and batch), route the selected
+segments through the implementation (or call them plainly: the full-storage
+path), then train for ``case.steps`` optimizer steps from one seeded random
+stream. Observed per step: loss, outputs, every parameter and input gradient
+(``None`` kept as ``None``), buffers, RNG state, and how often each segment's
+forward ran in the forward and in the backward phase; once: the activation
+bytes held for backward after the first forward, and the final parameters.
 
 An exception raised by the implementation is caught here and kept with its
 traceback: it becomes a failed verdict, never a crash of the harness.
@@ -30,9 +30,10 @@ from torch import Tensor, nn
 
 from gradequiv.harness.engine.case import Case
 from gradequiv.harness.engine.memory import ActivationCounter, SavedBytes
+from gradequiv.harness.engine.path import PreparedPath, build_path
 from gradequiv.harness.implementations.adapters import Implementation
 from gradequiv.harness.implementations.compiled import CompileSettings, compile_model
-from gradequiv.models import Segment, Workload, build
+from gradequiv.models import Segment
 from gradequiv.models.segments import RoutedModel
 
 LEARNING_RATE = 1e-2
@@ -110,28 +111,23 @@ def run_path(
     that state is recorded for the other paths to start from.
     """
     run = PathRun()
-    workload = build(case.model, case.batch, case.seed, device)
-    model = workload.model
-    segments = workload.segments(case.granularity)
+    path = build_path(case, device)
+    model, segments, inputs = path.model, path.segments, path.inputs
     where = "setup"
     started = time.perf_counter()
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         try:
-            if impl is not None:
-                impl.install(model, segments)
-            else:
-                model.router.install(segments, None)
+            path.install(impl)  # inside: what an implementation raises is a verdict
             phase = _Phase()
             calls = {} if compiled else _count_calls(model, segments, phase)
             grads_in = _SegmentInputGrads(model, [] if compiled else segments)
             call = model if compiled is None else compile_model(model, compiled)
-            inputs = _fresh_inputs(workload)
             params = list(model.named_parameters())
             optimizer = torch.optim.SGD([p for _, p in params], lr=LEARNING_RATE,
                                         momentum=MOMENTUM)
             model.train()
-            _seed_stream(case.seed + 1, device)  # one training stream, the same for every path
+            path.seed()  # one training stream, the same for every path
             for step in range(1, case.steps + 1):
                 if step > 1 and start_from is not None:
                     where = f"step {step} start"
@@ -146,8 +142,7 @@ def run_path(
                 grads_in.reset()
                 where = f"step {step} forward"
                 measure = count_memory and step == 1
-                outputs, loss, held = _forward(call, workload, inputs, case, device, measure,
-                                               compiled=compiled is not None)
+                outputs, loss, held = _forward(path, call, measure, compiled=compiled is not None)
                 if measure and held is not None:
                     run.held_on, run.held_bytes = held, sum(held.values())
                 where = f"step {step} backward"
@@ -214,46 +209,19 @@ def _main_output(outputs: Any) -> Tensor:
     return first
 
 
-def _forward(
-    model: nn.Module, workload: Workload, inputs: tuple[Tensor | None, ...], case: Case,
-    device: torch.device, measure: bool, compiled: bool = False,
-) -> tuple[Tensor, Tensor, dict[str, int] | None]:
-    """One forward and loss, under the case's autocast, optionally counting held bytes
-    (by device)."""
-    autocast = case.autocast(device)
+def _forward(path: PreparedPath, call: nn.Module, measure: bool,
+             compiled: bool = False) -> tuple[Tensor, Tensor, dict[str, int] | None]:
+    """One forward and loss, optionally counting held bytes (by device)."""
     if not measure:
-        with autocast:
-            outputs = model(*inputs)
-            return outputs, workload.loss_fn(outputs, workload.targets), None
-    never = [*model.parameters(), *model.buffers(), *(t for t in inputs if t is not None)]
+        return *path.forward(call), None
+    never = path.not_activations()
     if compiled:
-        with SavedBytes(exclude=never) as saved, autocast:
-            outputs = model(*inputs)
-            loss = workload.loss_fn(outputs, workload.targets)
+        with SavedBytes(exclude=never) as saved:
+            outputs, loss = path.forward(call)
         return outputs, loss, saved.held_bytes_by_device()
-    with ActivationCounter(exclude=never) as counter, autocast:
-        outputs = model(*inputs)
-        loss = workload.loss_fn(outputs, workload.targets)
+    with ActivationCounter(exclude=never) as counter:
+        outputs, loss = path.forward(call)
     return outputs, loss, counter.held_bytes_by_device(ignore=[outputs, loss])
-
-
-def _seed_stream(seed: int, device: torch.device) -> None:
-    """Seed the global generators the path draws from.
-
-    Cheaper than ``torch.manual_seed``, which also queues a lazy seed for every
-    CUDA device (with a stack trace) even where none is in use.
-    """
-    torch.default_generator.manual_seed(seed)
-    if device.type == "cuda":
-        torch.cuda.manual_seed_all(seed)
-
-
-def _fresh_inputs(workload: Workload) -> tuple[Tensor | None, ...]:
-    """Each path gets its own leaf copies of inputs that require grad."""
-    return tuple(
-        t.detach().clone().requires_grad_() if t is not None and t.requires_grad else t
-        for t in workload.inputs
-    )
 
 
 def _count_calls(model: nn.Module, segments: list[Segment], phase: _Phase) -> dict[str, list[int]]:
