@@ -19,6 +19,7 @@ from typing import Any
 
 from gradequiv.harness import validate
 from gradequiv.harness.errors import InvalidArgument
+from gradequiv.models.kinds import DRAWN_MODELS, TRANSFORMER  # torch-free, as options must be
 
 __all__ = [
     "ADAPTERS",
@@ -36,9 +37,6 @@ PROFILE_EXAMPLES = {"ci": 20, "dev": 50, "thorough": 400}
 PROFILES = tuple(PROFILE_EXAMPLES)
 DEVICES = ("auto", "cpu", "cuda")
 ADAPTERS = ("function", "wrapper", "toggle")
-#: The reference models cases are drawn for (``--gradequiv-models``); ``external`` is a
-#: user's model, named with ``--model`` instead.
-DRAWN_MODELS = ("transformer", "batchnorm")
 
 
 @dataclass(frozen=True)
@@ -56,7 +54,7 @@ class CheckOptions:
     case: str | None = None  # replay one case (JSON, a .json file or a named case)
     rtol: float | None = None  # explicit bounds, replacing the derived ones
     atol: float | None = None
-    models: tuple[str, ...] = ("transformer",)
+    models: tuple[str, ...] = (TRANSFORMER,)
     shrink: bool = True  # False: report the first failing example as found
     shard: tuple[int, int] = (1, 1)  # (i, n): this run is shard i of n, 1-based
     model: str | None = None  # a user's model factory (package.module:attr) instead of ours
@@ -112,7 +110,7 @@ def check_options(
     case: str | None = None,
     rtol: Any = None,
     atol: Any = None,
-    models: Any = ("transformer",),
+    models: Any = (TRANSFORMER,),
     shrink: Any = True,
     shard: Any = (1, 1),
     model: str | None = None,

@@ -14,13 +14,14 @@ from typing import Any
 from torch import Tensor, nn
 
 from gradequiv.harness.errors import InvalidArgument
-from gradequiv.models.granularity import (
-    EveryKthLayer,
-    EveryLayer,
-    Granularity,
-    NoRecompute,
+from gradequiv.models.granularity import SINGLE_LAYERS, Granularity
+from gradequiv.models.segments import (
+    RoutedModel,
+    Router,
+    Segment,
+    attach_router,
+    layer_segments,
 )
-from gradequiv.models.segments import RoutedModel, Router, Segment, attach_router
 
 
 @dataclass(frozen=True)
@@ -72,20 +73,12 @@ class BatchNormNet(RoutedModel):
 
     def segments(self, granularity: Granularity) -> list[Segment]:
         """Layer-level granularities only: the blocks have no attention or MLP parts."""
-        blocks = list(self.blocks)
-        if isinstance(granularity, NoRecompute):
-            return []
-        if isinstance(granularity, EveryLayer):
-            return [Segment(f"blocks.{i}", b, (b,)) for i, b in enumerate(blocks)]
-        if isinstance(granularity, EveryKthLayer):
-            return [
-                Segment(f"blocks.{i}", b, (b,)) for i, b in enumerate(blocks)
-                if i % granularity.k == 0
-            ]
-        raise InvalidArgument(
-            f"granularity={str(granularity)!r} does not apply to the batchnorm model; "
-            f"use none, layer or every:K"
-        )
+        if not isinstance(granularity, SINGLE_LAYERS):
+            raise InvalidArgument(
+                f"granularity={str(granularity)!r} does not apply to the batchnorm model; "
+                f"use none, layer or every:K"
+            )
+        return layer_segments(granularity, [(f"blocks.{i}", b) for i, b in enumerate(self.blocks)])
 
     def forward(self, features: Tensor) -> Tensor:
         x = features

@@ -27,8 +27,14 @@ from typing import Any
 from torch import Tensor, nn
 
 from gradequiv.harness.errors import InvalidArgument
-from gradequiv.models.granularity import EveryKthLayer, EveryLayer, Granularity, NoRecompute
-from gradequiv.models.segments import RoutedModel, Router, Segment, attach_router
+from gradequiv.models.granularity import SINGLE_LAYERS, Granularity
+from gradequiv.models.segments import (
+    RoutedModel,
+    Router,
+    Segment,
+    attach_router,
+    layer_segments,
+)
 
 __all__ = ["ExternalConfig", "ExternalModel", "UserModel", "load_user_model"]
 
@@ -109,16 +115,11 @@ class ExternalModel(RoutedModel):
         object.__setattr__(real, "forward", forward)
 
     def segments(self, granularity: Granularity) -> list[Segment]:
-        every = [Segment(name, shell, (shell,)) for name, shell in self._shells]
-        if isinstance(granularity, NoRecompute):
-            return []
-        if isinstance(granularity, EveryLayer):
-            return every
-        if isinstance(granularity, EveryKthLayer):
-            return every[::granularity.k]
-        raise InvalidArgument(
-            f"granularity={str(granularity)!r}: a --model case recomputes its named segments: "
-            f"use none, layer or every:K")
+        if not isinstance(granularity, SINGLE_LAYERS):
+            raise InvalidArgument(
+                f"granularity={str(granularity)!r}: a --model case recomputes its named "
+                f"segments: use none, layer or every:K")
+        return layer_segments(granularity, self._shells)
 
     def selected(self) -> list[nn.Module]:
         """The user's submodules selected for recompute (for toggles that pick their own)."""

@@ -119,3 +119,29 @@ def parse_granularity(text: str) -> Granularity:
 def _check_positive(name: str, k: int) -> None:
     if not isinstance(k, int) or isinstance(k, bool) or k < 1:
         raise InvalidArgument(f"granularity {name}:{k!r}: K must be a whole number >= 1")
+
+
+#: The granularities whose segments are whole single layers: all that a model without
+#: sub-blocks or layer groups (the batchnorm model, a user's model) supports.
+SINGLE_LAYERS = (NoRecompute, EveryLayer, EveryKthLayer)
+
+
+def layer_runs(granularity: Granularity, n_layers: int) -> list[range]:
+    """The layers ``granularity`` recomputes out of ``n_layers``, one range of consecutive
+    layer indices per segment, in call order.
+
+    The one rule every model shares; the model maps each range to its modules. A sub-layer
+    granularity (attention, mlp) selects every layer, one at a time: which sub-block of it
+    recomputes is the model's part.
+    """
+    if isinstance(granularity, NoRecompute):
+        return []
+    if isinstance(granularity, (EveryLayer, AttentionOnly, MlpOnly)):
+        step = size = 1
+    elif isinstance(granularity, EveryKthLayer):
+        step, size = granularity.k, 1
+    elif isinstance(granularity, LayerGroups):
+        step = size = granularity.size
+    else:
+        raise InvalidArgument(f"granularity={granularity!r} is not a known granularity")
+    return [range(start, min(start + size, n_layers)) for start in range(0, n_layers, step)]

@@ -9,11 +9,13 @@ identical whatever the granularity, so one state_dict fits every path.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from torch import nn
+
+from gradequiv.models.granularity import Granularity, layer_runs
 
 #: ``call(module, *args, **kwargs)``: how one selected segment is run.
 SegmentCall = Callable[..., Any]
@@ -30,6 +32,17 @@ class Segment:
     name: str
     module: nn.Module
     counted: tuple[nn.Module, ...]
+
+
+def layer_segments(granularity: Granularity, layers: Sequence[tuple[str, nn.Module]]
+                   ) -> list[Segment]:
+    """The segments of one layer each that ``granularity`` selects out of ``layers``
+    (name, module), by the rule every model shares (:func:`layer_runs`).
+
+    ``layers`` may be sub-blocks, one per layer (attention or MLP only).
+    """
+    return [Segment(*layers[run.start], (layers[run.start][1],))
+            for run in layer_runs(granularity, len(layers))]
 
 
 class Router:

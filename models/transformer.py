@@ -25,14 +25,18 @@ from torch import Tensor, nn
 from gradequiv.harness.errors import InvalidArgument
 from gradequiv.models.granularity import (
     AttentionOnly,
-    EveryKthLayer,
-    EveryLayer,
     Granularity,
     LayerGroups,
     MlpOnly,
-    NoRecompute,
+    layer_runs,
 )
-from gradequiv.models.segments import RoutedModel, Router, Segment, attach_router
+from gradequiv.models.segments import (
+    RoutedModel,
+    Router,
+    Segment,
+    attach_router,
+    layer_segments,
+)
 
 
 def make_norm(config: TransformerConfig) -> nn.Module:
@@ -213,6 +217,21 @@ class LayerGroup(nn.Module):
         return x
 
 
+#: The element-wise dropout sites, by config field, with the name a report gives each.
+_ELEMENT_DROPOUT = {
+    "embd_dropout": "embedding dropout",
+    "attn_dropout": "attention dropout",
+    "resid_dropout": "residual dropout",
+    "mlp_dropout": "MLP dropout",
+}
+#: Every random site of the transformer drawn with a probability: config field -> the name a
+#: report gives it. Stochastic depth drops whole residual branches per sample; the RReLU-like
+#: activation (``activation="rrelu"``) is the one random op that is no probability.
+DROPOUT_SITES: dict[str, str] = _ELEMENT_DROPOUT | {"drop_path": "drop-path"}
+#: The sites "all dropout on" turns on: every one but stochastic depth.
+ELEMENT_DROPOUT_SITES = tuple(_ELEMENT_DROPOUT)
+
+
 @dataclass(frozen=True)
 class TransformerConfig:
     n_layer: int = 2
@@ -244,7 +263,7 @@ class TransformerConfig:
                 f"n_embd={self.n_embd} is not divisible by n_head={self.n_head}; "
                 f"pick n_head among the divisors of n_embd"
             )
-        for name in ("embd_dropout", "attn_dropout", "resid_dropout", "mlp_dropout", "drop_path"):
+        for name in DROPOUT_SITES:
             p = getattr(self, name)
             if not 0.0 <= p < 1.0:
                 raise InvalidArgument(f"{name}={p!r}: a probability in [0, 1) is needed")
@@ -255,11 +274,7 @@ class TransformerConfig:
 
     @property
     def has_randomness(self) -> bool:
-        return self.activation == "rrelu" or any(
-            p > 0
-            for p in (self.embd_dropout, self.attn_dropout, self.resid_dropout, self.mlp_dropout,
-                      self.drop_path)
-        )
+        return self.activation == "rrelu" or any(getattr(self, p) > 0 for p in DROPOUT_SITES)
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -295,30 +310,24 @@ class Transformer(RoutedModel):
         """The modules that recompute under ``granularity``, in call order."""
         blocks = cast("list[Block]", list(self.blocks))  # the stubs' ModuleList holds Modules
         self._groups = []
-        if isinstance(granularity, NoRecompute):
-            return []
-        if isinstance(granularity, EveryLayer):
-            return [Segment(f"blocks.{i}", b, (b,)) for i, b in enumerate(blocks)]
-        if isinstance(granularity, EveryKthLayer):
-            return [
-                Segment(f"blocks.{i}", b, (b,)) for i, b in enumerate(blocks)
-                if i % granularity.k == 0
-            ]
-        if isinstance(granularity, AttentionOnly):
-            return [Segment(f"blocks.{i}.attn", b.attn, (b.attn,)) for i, b in enumerate(blocks)]
-        if isinstance(granularity, MlpOnly):
-            return [Segment(f"blocks.{i}.mlp", b.mlp, (b.mlp,)) for i, b in enumerate(blocks)]
         if isinstance(granularity, LayerGroups):
-            segments = []
-            for start in range(0, len(blocks), granularity.size):
-                members = blocks[start:start + granularity.size]
-                group = LayerGroup(members)
-                object.__setattr__(group, "router", self.router)
-                self._groups.append(group)
-                name = f"blocks.{start}-{start + len(members) - 1}"
-                segments.append(Segment(name, group, tuple(members)))
-            return segments
-        raise InvalidArgument(f"granularity={granularity!r} is not a known granularity")
+            return [self._group(blocks, run) for run in layer_runs(granularity, len(blocks))]
+        parts: list[tuple[str, nn.Module]]
+        if isinstance(granularity, AttentionOnly):
+            parts = [(f"blocks.{i}.attn", b.attn) for i, b in enumerate(blocks)]
+        elif isinstance(granularity, MlpOnly):
+            parts = [(f"blocks.{i}.mlp", b.mlp) for i, b in enumerate(blocks)]
+        else:
+            parts = [(f"blocks.{i}", b) for i, b in enumerate(blocks)]
+        return layer_segments(granularity, parts)
+
+    def _group(self, blocks: list[Block], run: range) -> Segment:
+        """Layers ``run`` as one segment, which forward then runs in place of its members."""
+        members = blocks[run.start:run.stop]
+        group = LayerGroup(members)
+        object.__setattr__(group, "router", self.router)
+        self._groups.append(group)
+        return Segment(f"blocks.{run.start}-{run.stop - 1}", group, tuple(members))
 
     def forward(self, tokens: Tensor, key_padding_mask: Tensor | None = None) -> Tensor:
         B, T = tokens.shape

@@ -18,6 +18,9 @@ from gradequiv.harness.engine.case import Case
 from gradequiv.harness.engine.spread import compile_cases
 from gradequiv.harness.errors import InvalidArgument
 from gradequiv.models import (
+    DRAWN_MODELS,
+    DROPOUT_SITES,
+    ELEMENT_DROPOUT_SITES,
     BatchConfig,
     BatchNormConfig,
     ExternalConfig,
@@ -25,6 +28,7 @@ from gradequiv.models import (
     TransformerConfig,
     parse_granularity,
 )
+from gradequiv.models.kinds import BATCHNORM, TRANSFORMER
 
 __all__ = [
     "DROPOUT_SITES",
@@ -41,11 +45,8 @@ __all__ = [
     "transformer_configs",
 ]
 
-#: Reference models a case can be drawn for.
-MODELS = ("transformer", "batchnorm")
-
-#: The random sites of the reference transformer, as config fields.
-DROPOUT_SITES = ("attn_dropout", "resid_dropout", "mlp_dropout", "embd_dropout", "drop_path")
+#: Reference models a case can be drawn for (by another name, kept for callers of this module).
+MODELS = DRAWN_MODELS
 
 
 def _check_range(name: str, low: int, high: int, floor: int = 1) -> None:
@@ -57,7 +58,7 @@ def _check_range(name: str, low: int, high: int, floor: int = 1) -> None:
 
 
 def _regime(choice: int, site: str, p: float) -> dict[str, float]:
-    every = {s: 0.1 for s in DROPOUT_SITES if s != "drop_path"}
+    every = dict.fromkeys(ELEMENT_DROPOUT_SITES, 0.1)
     if choice == 0:
         return {}
     if choice <= 3:
@@ -71,13 +72,14 @@ def dropout_regimes(*, max_p: float = 0.5) -> st.SearchStrategy[dict[str, float]
     """Return a strategy for dropout settings: config fields mapped to probabilities.
 
     Regimes, in shrink order: off (one draw in eight), one random site (three
-    in eight), every site at 0.1, every site at a high p (0.3 up to
-    ``max_p``). A failure shrinks towards off, else one site at p = 0.1.
+    in eight; drop-path among them), every element-wise dropout site at 0.1,
+    every one at a high p (0.3 up to ``max_p``). A failure shrinks towards
+    off, else one site at p = 0.1.
     """
     if not 0.1 <= max_p < 1.0:
         raise InvalidArgument(f"max_p={max_p!r}: must be in [0.1, 1)")
     rates = sorted({0.1, 0.2, min(0.5, max_p), max_p})
-    return st.builds(_regime, st.integers(0, 7), st.sampled_from(DROPOUT_SITES),
+    return st.builds(_regime, st.integers(0, 7), st.sampled_from(tuple(DROPOUT_SITES)),
                      st.sampled_from(rates))
 
 
@@ -212,7 +214,7 @@ def cases(
     /,
     *,
     device: str = "cpu",
-    models: tuple[str, ...] = ("transformer",),
+    models: tuple[str, ...] = (TRANSFORMER,),
     max_layers: int = 4,
     max_width: int = 128,
     max_seq_len: int = 32,
@@ -232,7 +234,7 @@ def cases(
             f"models={models!r}: pick one or more of {', '.join(MODELS)}"
         )
     kind = draw(st.sampled_from(models))
-    if kind == "batchnorm":
+    if kind == BATCHNORM:
         return draw(batchnorm_cases(device=device))
     model = draw(transformer_configs(max_layers=max_layers, max_width=max_width,
                                      **config_kwargs))

@@ -2,22 +2,35 @@
 
 from __future__ import annotations
 
-from dataclasses import replace
+import subprocess
+import sys
+from dataclasses import fields, replace
 from typing import Any
 
 import pytest
 import torch
 
+from gradequiv.harness.engine.case import Case
+from gradequiv.harness.reports.bundle import report_schema
+from gradequiv.harness.reports.findings import random_sites
 from gradequiv.models import (
+    DRAWN_MODELS,
+    DROPOUT_SITES,
+    ELEMENT_DROPOUT_SITES,
+    MODEL_KINDS,
+    AttentionOnly,
     BatchConfig,
     BatchNormConfig,
+    ExternalConfig,
     InvalidArgument,
     LayerGroups,
     TransformerConfig,
     build,
+    layer_runs,
     make_batch,
     parse_granularity,
 )
+from gradequiv.models.granularity import SINGLE_LAYERS
 
 CONFIG = TransformerConfig(n_layer=4, n_embd=16, n_head=2, max_seq_len=16)
 
@@ -158,3 +171,72 @@ def test_the_batchnorm_model_needs_two_samples_and_has_running_buffers() -> None
     assert workload.inputs[0] is not None and workload.inputs[0].requires_grad
     with pytest.raises(InvalidArgument, match="does not apply to the batchnorm model"):
         workload.segments(parse_granularity("attention"))
+
+
+@pytest.mark.parametrize("text, runs", [
+    ("none", []),
+    ("layer", [[0], [1], [2], [3], [4]]),
+    ("every:2", [[0], [2], [4]]),
+    ("group:2", [[0, 1], [2, 3], [4]]),
+    ("attention", [[0], [1], [2], [3], [4]]),
+])
+def test_one_rule_selects_the_layers_for_every_model(text: str, runs: list[list[int]]) -> None:
+    granularity = parse_granularity(text)
+    assert [list(r) for r in layer_runs(granularity, 5)] == runs
+    transformer = build(replace(CONFIG, n_layer=5), BatchConfig(), 0).model
+    blocks = list(transformer.blocks)
+    segments = transformer.segments(granularity)
+    if isinstance(granularity, AttentionOnly):
+        assert [s.module for s in segments] == [blocks[run[0]].attn for run in runs]
+    else:  # the layers each segment runs
+        assert [list(s.counted) for s in segments] == [[blocks[i] for i in run] for run in runs]
+    if isinstance(granularity, SINGLE_LAYERS):
+        batchnorm = build(BatchNormConfig(n_layer=5), BatchConfig(4, 1), 0).model
+        assert [s.name for s in batchnorm.segments(granularity)] == [
+            f"blocks.{run[0]}" for run in runs]
+
+
+@pytest.mark.parametrize("text", ["group:1", "group:2", "attention", "mlp"])
+def test_the_batchnorm_model_refuses_what_is_not_single_layers(text: str) -> None:
+    model = build(BatchNormConfig(n_layer=3), BatchConfig(4, 1), 0).model
+    with pytest.raises(InvalidArgument, match="does not apply to the batchnorm model; use none"):
+        model.segments(parse_granularity(text))
+
+
+def test_the_random_sites_are_every_probability_of_the_config() -> None:
+    """A new dropout field is a random site: the table, and every reader of it, must know it."""
+    floats = [f.name for f in fields(TransformerConfig) if f.type == "float"]
+    assert list(DROPOUT_SITES) == floats
+    assert set(ELEMENT_DROPOUT_SITES) == set(floats) - {"drop_path"}
+    for site in DROPOUT_SITES:
+        config = replace(CONFIG, **{site: 0.25})
+        assert config.has_randomness
+        assert f"{site.removesuffix('_dropout')} 0.25" in Case(model=config).describe()
+        assert random_sites(Case(model=config).to_dict()) == [DROPOUT_SITES[site]]
+        with pytest.raises(InvalidArgument, match=f"{site}=1.0"):
+            replace(CONFIG, **{site: 1.0})
+    assert not CONFIG.has_randomness and "no random ops" in Case(model=CONFIG).describe()
+
+
+def test_the_model_kinds_are_named_once() -> None:
+    """The JSON schema, the case's configs and the drawn models all read MODEL_KINDS."""
+    assert report_schema()["$defs"]["case"]["properties"]["model_kind"]["enum"] == list(
+        MODEL_KINDS)
+    kinds = {Case(model=m).model_kind
+             for m in (CONFIG, BatchNormConfig(), ExternalConfig("user_models:residual_stack"))}
+    assert kinds == set(MODEL_KINDS) and set(DRAWN_MODELS) < set(MODEL_KINDS)
+    assert Case.from_dict({"model_kind": "batchnorm"}).model == BatchNormConfig()
+    with pytest.raises(InvalidArgument, match="is not one of transformer, batchnorm, external"):
+        Case.from_dict({"model_kind": "resnet"})
+
+
+def test_the_package_exports_what_it_names_and_the_names_need_no_torch() -> None:
+    import gradequiv.models as models
+
+    assert sorted(models.__all__) == sorted(models._WHERE)
+    assert all(getattr(models, name) is not None for name in models.__all__)
+    code = ("import sys, gradequiv.models, gradequiv.models.kinds, gradequiv.harness.options; "
+            "print('torch' in sys.modules)")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          timeout=60, check=True)
+    assert done.stdout.strip() == "False"

@@ -48,8 +48,11 @@ def test_the_mutants_command_catches_all_and_passes_the_correct(tmp_path: object
     assert summary["correct_pass"] is True and report["verdict"] == "pass"
     roles = {o["name"]: o["status"] for o in report["outcomes"]}
     assert roles["torch"] == "passed" and roles["stale-recompute"] == "caught"
-    assert "Mutation score" in (folder / "mutants.md").read_text()
     assert report["complete"] is True
+    from gradequiv.harness.reports.markdown import mutants_markdown
+
+    markdown = (folder / "mutants.md").read_text()
+    assert markdown.startswith("**Mutation score") and markdown == mutants_markdown(report)
 
 
 def test_an_interrupted_mutants_run_keeps_what_finished(tmp_path: object,
@@ -77,3 +80,4 @@ def test_an_interrupted_mutants_run_keeps_what_finished(tmp_path: object,
     assert seen == [1] and len(report["outcomes"]) == 1
     assert report["complete"] is False
     assert load_bundle(folder).verdict == "incomplete"  # torch passed, then the stop
+    assert "(incomplete: the run stopped early)" in (folder / "mutants.md").read_text()

@@ -7,10 +7,11 @@ import pytest
 import torch
 
 from gradequiv.harness import find_case, resolve, verify
-from gradequiv.harness.commands.profiling import markdown, profile
+from gradequiv.harness.commands.profiling import profile
 from gradequiv.harness.engine.memory import ActivationCounter
 from gradequiv.harness.engine.runner import PathRun
 from gradequiv.harness.engine.verify import _check_offload
+from gradequiv.harness.reports.markdown import profile_markdown
 from gradequiv.models import parse_granularity
 
 
@@ -66,6 +67,6 @@ def test_the_profile_says_where_the_bytes_were() -> None:
                      warmup=0)
     row = result.rows[0]
     assert row.held_on == {"cpu": row.held_bytes}  # a CPU device: the host is the device
-    assert "Where the activation bytes" not in markdown(result)
+    assert "Where the activation bytes" not in profile_markdown(result.to_dict())
     row.held_on = {"cpu": 900, "cuda:0": 100}  # as an offload on CUDA would leave them
-    assert "| layer | 900 | 100 |" in markdown(result)
+    assert "| layer | 900 | 100 |" in profile_markdown(result.to_dict())

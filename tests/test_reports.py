@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import base64
+import html
 import io
 import json
 import os
@@ -18,8 +19,11 @@ from typing import Any
 import pytest
 
 from gradequiv.harness.cli import main
+from gradequiv.harness.commands.mutants import Outcome, score, write
 from gradequiv.harness.reports.bundle import load_bundle, report_schema
 from gradequiv.harness.reports.findings import find, layer_errors
+from gradequiv.harness.reports.markdown import mutants_markdown, profile_markdown
+from gradequiv.harness.reports.tables import mutants_table, profile_tables
 
 jsonschema = pytest.importorskip("jsonschema")
 
@@ -164,3 +168,108 @@ def test_a_killed_run_leaves_a_valid_report_marked_incomplete(
     assert code == (130 if how == signal.SIGTERM else -signal.SIGKILL)
     assert not list(report_file.parent.glob(".report.json.*"))  # no temporary file left
     assert load_bundle(report_file.parent).verdict in ("fail", "incomplete")
+
+
+def _outcomes() -> list[Outcome]:
+    """One outcome of each status: a flagged correct one, a caught, a survived, a skipped."""
+    return [Outcome("torch", "torch", "correct", "flagged", "test_gradients", 3, 1.25, "t"),
+            Outcome("stale-recompute", "m:s", "mutant", "caught", "test_rng", 2, 0.5, "t,b"),
+            Outcome("lost-rng", "m:l", "mutant", "survived", "", 20, 9.0, "t,b"),
+            Outcome("cuda-only", "m:c", "mutant", "skipped", "needs CUDA", 0, 0.0, "t,b")]
+
+
+MUTANTS_MD = """\
+**Mutation score 1/2 (50%); correct implementations FLAGGED: fail \
+(incomplete: the run stopped early)**
+
+| role | implementation | result | caught by | cases (mutants: until caught) | seconds |
+|---|---|---|---|---|---|
+| correct | torch | flagged | test_gradients | 3 | 1.2 |
+| mutant | stale-recompute | caught | test_rng | 2 | 0.5 |
+| mutant | lost-rng | survived | - | 20 | 9.0 |
+| mutant | cuda-only | skipped | needs CUDA | 0 | 0.0 |
+"""
+
+
+def test_the_mutants_table_is_rendered_once_from_mutants_json(tmp_path: Path) -> None:
+    """mutants.md, report.md and report.html show the rows of mutants.json, and no more."""
+    outcomes = _outcomes()
+    write(tmp_path, outcomes, score(outcomes), {"device": "cpu"}, complete=False)
+    data = json.loads((tmp_path / "mutants.json").read_text())
+    assert (tmp_path / "mutants.md").read_text() == MUTANTS_MD == mutants_markdown(data)
+    assert main(["report", str(tmp_path), "--format", "md"]) == 0
+    assert MUTANTS_MD in (tmp_path / "report.md").read_text()
+    assert main(["report", str(tmp_path), "--format", "html"]) == 0
+    rows = _html_rows((tmp_path / "report.html").read_text())
+    assert [cells for _, cells in rows[-4:]] == mutants_table(data).rows
+    assert [mark for mark, _ in rows[-4:]] == ["fail", "", "fail", ""]  # against the suite
+
+
+def _profile() -> dict[str, Any]:
+    """A profile.json of an offload on CUDA: two devices hold bytes, the allocator reports."""
+    def row(granularity: str, held: dict[str, int], frontier: bool) -> dict[str, Any]:
+        return {"granularity": granularity, "held_bytes": sum(held.values()),
+                "peak_backward_bytes": 5000, "step_s": {"p50": 0.0123, "p95": 0.0156,
+                                                        "p99": 0.0199},
+                "forward_s": 0.004, "backward_s": 0.008, "tokens_per_s": 12345.6,
+                "recompute_s": 0.001, "extra_backward_s": 0.0, "overhead_vs_none": 0.25,
+                "memory_saved_vs_none": 0.5, "on_frontier": frontier, "held_on": held,
+                "cuda_allocated_held_bytes": 1000, "cuda_requested_held_bytes": 999,
+                "cuda_max_allocated_bytes": 5000}
+
+    return {"schema_version": 1, "command": "profile", "implementation": "torch-offload",
+            "case": {}, "conditions": {"torch": "2.x", "device": "cuda", "threads": 2,
+                                       "steps": 3, "warmup": 1, "shape": "2L x 16w"},
+            "rows": [row("none", {"cuda:0": 4000}, False),
+                     row("layer", {"cpu": 3000, "cuda:0": 100}, True)],
+            "plot": "profile.png", "plot_missing": None}
+
+
+PROFILE_MD = """\
+Profile of torch-offload: 2L x 16w; torch 2.x, cuda, 2 threads, 3 steps after 1 warm-up
+
+| granularity | activation bytes | peak in backward | saved vs none | step p50 ms | p95 ms \
+| p99 ms | overhead vs none | forward ms | backward ms | of which recompute ms | tokens/s \
+| frontier |
+|---|---|---|---|---|---|---|---|---|---|---|---|---|
+| none | 4,000 | 5,000 | 50.0% | 12.3 | 15.6 | 19.9 | +25.0% | 4.0 | 8.0 | 1.0 | 12,346 |  |
+| layer | 3,100 | 5,000 | 50.0% | 12.3 | 15.6 | 19.9 | +25.0% | 4.0 | 8.0 | 1.0 | 12,346 \
+| yes |
+
+Where the activation bytes were held:
+
+| granularity | cpu | cuda:0 |
+|---|---|---|
+| none | 0 | 4,000 |
+| layer | 3,000 | 100 |
+
+CUDA caching allocator, same step (output and loss included, so a little above the count):
+
+| granularity | allocated after forward | requested after forward | max allocated over the step |
+|---|---|---|---|
+| none | 1,000 | 999 | 5,000 |
+| layer | 1,000 | 999 | 5,000 |
+
+![memory against step time](profile.png)
+"""
+
+
+def test_the_profile_tables_are_rendered_once_from_profile_json(tmp_path: Path) -> None:
+    """profile.md is this text (what `gradequiv profile` wrote before the renderer moved to
+    reports/); report.md holds the same, report.html the same cells."""
+    data = _profile()
+    assert profile_markdown(data) == PROFILE_MD
+    plain = {k: v for k, v in data.items() if k not in ("plot", "plot_missing")}
+    assert profile_markdown(plain) == PROFILE_MD.split("\n\n![")[0] + "\n"  # what it prints
+    (tmp_path / "profile.json").write_text(json.dumps(data))
+    assert main(["report", str(tmp_path), "--format", "md"]) == 0
+    assert PROFILE_MD in (tmp_path / "report.md").read_text()
+    assert main(["report", str(tmp_path), "--format", "html"]) == 0
+    cells = [cells for _, cells in _html_rows((tmp_path / "report.html").read_text())]
+    assert cells == [row for _, table in profile_tables(data) for row in table.rows]
+
+
+def _html_rows(page: str) -> list[tuple[str, list[str]]]:
+    """Every body row of the page's tables: its class and its cells, unescaped."""
+    return [(mark, [html.unescape(c) for c in re.findall(r"<td>(.*?)</td>", row)])
+            for mark, row in re.findall(r"<tr(?: class='(\w+)')?>(<td>.*?)</tr>", page)]

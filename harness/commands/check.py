@@ -30,6 +30,7 @@ def run(options: CheckOptions) -> int:
     from gradequiv.harness.engine.spread import load_case
     from gradequiv.harness.implementations.libraries import HF_NEEDS_MODEL
     from gradequiv.harness.implementations.resolve import resolve
+    from gradequiv.models.kinds import EXTERNAL
 
     if options.impl is None:
         raise InvalidArgument("--impl is required; name a built-in (e.g. --impl torch) or a "
@@ -43,7 +44,7 @@ def run(options: CheckOptions) -> int:
         Tolerance(case.dtype, options.rtol, options.atol)
     if options.model is not None:
         check_model(options.model)
-    elif impl.spec == "hf" and (case is None or case.model_kind != "external"):
+    elif impl.spec == "hf" and (case is None or case.model_kind != EXTERNAL):
         raise InvalidArgument(HF_NEEDS_MODEL)
     Tolerance("fp32", options.rtol, options.atol)
 

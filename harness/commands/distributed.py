@@ -38,6 +38,7 @@ from gradequiv.harness.engine.compare import Tolerance, measure_pairs
 from gradequiv.harness.engine.path import prepare
 from gradequiv.harness.errors import InvalidArgument
 from gradequiv.harness.implementations.adapters import Implementation
+from gradequiv.models.kinds import TRANSFORMER
 
 __all__ = ["WRAPPERS", "DistributedVerdict", "verify_distributed"]
 
@@ -89,7 +90,7 @@ def verify_distributed(
         raise InvalidArgument(
             f"device='cuda' with world_size={world_size} needs {world_size} GPUs for NCCL (one "
             f"per rank); this machine has {torch.cuda.device_count()}; use device='cpu' (gloo)")
-    if case.model_kind != "transformer":
+    if case.model_kind != TRANSFORMER:
         raise InvalidArgument(f"model_kind={case.model_kind!r}: the distributed property runs "
                               f"the transformer")
     verdict = DistributedVerdict(wrapper, world_size)

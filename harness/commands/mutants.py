@@ -17,15 +17,19 @@ from pathlib import Path
 from typing import Any
 
 from gradequiv.harness.implementations.faults import MUTANTS
-from gradequiv.harness.options import DRAWN_MODELS, SuiteRun, check_options
+from gradequiv.harness.options import SuiteRun, check_options
+from gradequiv.harness.reports.markdown import mutants_markdown
 from gradequiv.harness.reports.report import write_json_atomic, write_text_atomic
+from gradequiv.harness.reports.tables import mutants_summary
+from gradequiv.models import DRAWN_MODELS
+from gradequiv.models.kinds import TRANSFORMER
 
 #: Correct implementations the suite must pass: torch's two, and the mutants' base.
 CORRECT = {
-    "torch": ("transformer",),
-    "torch-reentrant": ("transformer",),
+    "torch": (TRANSFORMER,),
+    "torch-reentrant": (TRANSFORMER,),
     # torch's checkpoint updates BatchNorm statistics twice; the base restores them.
-    "gradequiv.harness.implementations.faults:reference_checkpoint": ("transformer", "batchnorm"),
+    "gradequiv.harness.implementations.faults:reference_checkpoint": DRAWN_MODELS,
 }
 MUTANT_MODELS = DRAWN_MODELS
 MODULE = "gradequiv.harness.implementations.faults"
@@ -121,26 +125,20 @@ def score(outcomes: list[Outcome]) -> dict[str, Any]:
             "verdict": "pass" if correct_ok and killed == len(mutants) else "fail"}
 
 
-def markdown(outcomes: list[Outcome], summary: dict[str, Any]) -> str:
-    rows = ["| role | implementation | result | caught by | cases (mutants: until caught) | "
-            "seconds |",
-            "|---|---|---|---|---|---|"]
-    rows += [f"| {o.role} | {o.name} | {o.status} | {o.caught_by or '-'} | {o.examples} | "
-             f"{o.seconds:.1f} |" for o in outcomes]
-    head = (f"**Mutation score {summary['killed']}/{summary['valid']} "
-            f"({summary['mutation_score']:.0%})**; correct implementations "
-            f"{'all pass' if summary['correct_pass'] else 'FLAGGED'}: {summary['verdict']}")
-    return head + "\n\n" + "\n".join(rows) + "\n"
+def report(outcomes: list[Outcome], summary: dict[str, Any], conditions: dict[str, Any], *,
+           complete: bool = True) -> dict[str, Any]:
+    """What mutants.json holds; mutants.md is rendered from the same dict."""
+    return {"schema_version": 1, "command": "mutants",
+            "verdict": summary["verdict"], "complete": complete,
+            "summary": summary, "conditions": conditions,
+            "outcomes": [asdict(o) for o in outcomes]}
 
 
 def write(folder: Path, outcomes: list[Outcome], summary: dict[str, Any],
           conditions: dict[str, Any], *, complete: bool = True) -> None:
-    write_json_atomic(folder / "mutants.json", {
-        "schema_version": 1, "command": "mutants",
-        "verdict": summary["verdict"], "complete": complete,
-        "summary": summary, "conditions": conditions,
-        "outcomes": [asdict(o) for o in outcomes]})
-    write_text_atomic(folder / "mutants.md", markdown(outcomes, summary))
+    data = report(outcomes, summary, conditions, complete=complete)
+    write_json_atomic(folder / "mutants.json", data)
+    write_text_atomic(folder / "mutants.md", mutants_markdown(data))
 
 
 def run(args: Any) -> int:
@@ -161,7 +159,7 @@ def run(args: Any) -> int:
     outcomes = run_all(seed=args.seed, examples=args.examples, device=device.type,
                        progress=lambda line: print(line, flush=True), after_each=write_partial)
     summary = score(outcomes)
-    print(markdown(outcomes, summary).splitlines()[0])
+    print(mutants_summary(report(outcomes, summary, conditions)))
     if args.report_dir is not None:
         write(args.report_dir, outcomes, summary, conditions)
         print(f"report: {args.report_dir / 'mutants.json'}, {args.report_dir / 'mutants.md'}")

@@ -240,44 +240,6 @@ def profile(
     return ProfileResult(impl.spec, case.to_dict(), conditions, rows)
 
 
-def markdown(result: ProfileResult) -> str:
-    lines = [f"Profile of {result.impl}: {result.conditions['shape']}; torch "
-             f"{result.conditions['torch']}, {result.conditions['device']}, "
-             f"{result.conditions['threads']} threads, {result.conditions['steps']} steps "
-             f"after {result.conditions['warmup']} warm-up",
-             "",
-             "| granularity | activation bytes | peak in backward | saved vs none | step p50 ms "
-             "| p95 ms | p99 ms | overhead vs none | forward ms | backward ms | of which "
-             "recompute ms | tokens/s | frontier |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
-    for r in result.rows:
-        lines.append(
-            f"| {r.granularity} | {r.held_bytes:,} | {r.peak_backward_bytes:,} | "
-            f"{r.memory_saved_vs_none:.1%} | "
-            f"{r.step_s['p50'] * 1e3:.1f} | {r.step_s['p95'] * 1e3:.1f} | "
-            f"{r.step_s['p99'] * 1e3:.1f} | {r.overhead_vs_none:+.1%} | "
-            f"{r.forward_s * 1e3:.1f} | {r.backward_s * 1e3:.1f} | {r.recompute_s * 1e3:.1f} | "
-            f"{r.tokens_per_s:,.0f} | "
-            f"{'yes' if r.on_frontier else ''} |")
-    devices = sorted({d for r in result.rows for d in r.held_on})
-    if len(devices) > 1:  # an offload on an accelerator: where the held bytes went
-        lines += ["", "Where the activation bytes were held:", "",
-                  "| granularity | " + " | ".join(devices) + " |",
-                  "|---|" + "---|" * len(devices)]
-        lines += [f"| {r.granularity} | " + " | ".join(f"{r.held_on.get(d, 0):,}"
-                                                       for d in devices) + " |"
-                  for r in result.rows]
-    if any(r.cuda_max_allocated_bytes is not None for r in result.rows):
-        lines += ["", "CUDA caching allocator, same step (output and loss included, so a "
-                  "little above the count):", "",
-                  "| granularity | allocated after forward | requested after forward "
-                  "| max allocated over the step |", "|---|---|---|---|"]
-        lines += [f"| {r.granularity} | {r.cuda_allocated_held_bytes:,} | "
-                  f"{r.cuda_requested_held_bytes:,} | {r.cuda_max_allocated_bytes:,} |"
-                  for r in result.rows]
-    return "\n".join(lines) + "\n"
-
-
 def plot(result: ProfileResult, path: Path) -> str | None:
     """Memory against step time as a PNG; the reason when matplotlib is missing."""
     from gradequiv.harness.reports.figures import MISSING_MATPLOTLIB, frontier_png
@@ -294,9 +256,15 @@ def run(args: Any) -> int:
     """The profile command: measure, print the table, write DIR/profile.json (+ .md, .png)."""
     from gradequiv.harness.engine.devices import resolve_device
     from gradequiv.harness.implementations.resolve import resolve
+    from gradequiv.harness.reports.markdown import profile_markdown
     from gradequiv.harness.reports.report import write_json_atomic
     from gradequiv.harness.validate import impl_kwargs
-    from gradequiv.models import BatchConfig, TransformerConfig, parse_granularity
+    from gradequiv.models import (
+        ELEMENT_DROPOUT_SITES,
+        BatchConfig,
+        TransformerConfig,
+        parse_granularity,
+    )
 
     impl = resolve(args.impl, adapter=args.adapter, kwargs=impl_kwargs(args.impl_kwarg))
     device = resolve_device(args.device)
@@ -305,8 +273,7 @@ def run(args: Any) -> int:
     if not granularities:
         raise InvalidArgument(f"--granularity={args.granularity!r} names none; "
                               f"write e.g. none,layer,every:2")
-    rates = {site: args.dropout for site in
-             ("embd_dropout", "attn_dropout", "resid_dropout", "mlp_dropout")}
+    rates = dict.fromkeys(ELEMENT_DROPOUT_SITES, args.dropout)
     model = TransformerConfig(n_layer=args.layers, n_embd=args.width, n_head=args.heads,
                               max_seq_len=args.seq_len, **rates)
     case = Case(model=model, batch=BatchConfig(args.batch, args.seq_len, padding=False),
@@ -317,16 +284,13 @@ def run(args: Any) -> int:
           f"{len(granularities)} granularities x {args.steps} steps", flush=True)
     result = profile(impl, case, granularities, steps=args.steps, warmup=args.warmup,
                      device=device)
-    table = markdown(result)
-    print(table)
+    print(profile_markdown(result.to_dict()), end="")
     if args.report_dir is not None:
         missing = plot(result, args.report_dir / "profile.png")
         data = result.to_dict() | {"plot": None if missing else "profile.png",
                                    "plot_missing": missing}
         write_json_atomic(args.report_dir / "profile.json", data)
-        (args.report_dir / "profile.md").write_text(
-            table + ("" if missing else "\n![memory against step time](profile.png)\n"),
-            encoding="utf-8")
+        (args.report_dir / "profile.md").write_text(profile_markdown(data), encoding="utf-8")
         print(f"report: {args.report_dir / 'profile.json'}" + (f" (no plot: {missing})"
                                                               if missing else ""))
     return 0

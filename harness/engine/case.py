@@ -15,6 +15,7 @@ import torch
 
 from gradequiv.harness.errors import InvalidArgument
 from gradequiv.models import (
+    DROPOUT_SITES,
     BatchConfig,
     BatchNormConfig,
     ExternalConfig,
@@ -23,16 +24,18 @@ from gradequiv.models import (
     TransformerConfig,
     parse_granularity,
 )
+from gradequiv.models.kinds import BATCHNORM, EXTERNAL, MODEL_KINDS, TRANSFORMER
 
 #: Precision regimes. Autocast ones keep fp32 weights and fp32 gradients.
 DTYPES = ("fp32", "bf16-autocast", "fp16-autocast")
 CUDA_ONLY_DTYPES = ("fp16-autocast",)
 
 _ConfigType = type[TransformerConfig] | type[BatchNormConfig] | type[ExternalConfig]
-_MODEL_KINDS: dict[str, _ConfigType] = {
-    "transformer": TransformerConfig,
-    "batchnorm": BatchNormConfig,
-    "external": ExternalConfig,
+#: The config class of each model kind (``model_kind`` in a case's JSON).
+_CONFIGS: dict[str, _ConfigType] = {
+    TRANSFORMER: TransformerConfig,
+    BATCHNORM: BatchNormConfig,
+    EXTERNAL: ExternalConfig,
 }
 
 
@@ -61,18 +64,15 @@ class Case:
 
     @property
     def model_kind(self) -> str:
-        return next(kind for kind, config in _MODEL_KINDS.items()
-                    if isinstance(self.model, config))
+        return next(kind for kind, config in _CONFIGS.items() if isinstance(self.model, config))
 
     def describe(self) -> str:
         """A short human line: what makes this case this case, random sites included."""
         m = self.model
         if isinstance(m, TransformerConfig):
             size = f"{m.n_layer}L x {m.n_embd}w x {self.batch.seq_len}t"
-            sites = [f"{name.removesuffix('_dropout')} {p:g}" for name, p in (
-                ("embd_dropout", m.embd_dropout), ("attn_dropout", m.attn_dropout),
-                ("resid_dropout", m.resid_dropout), ("mlp_dropout", m.mlp_dropout),
-                ("drop_path", m.drop_path)) if p > 0]
+            sites = [f"{name.removesuffix('_dropout')} {getattr(m, name):g}"
+                     for name in DROPOUT_SITES if getattr(m, name) > 0]
             sites += ["rrelu"] if m.activation == "rrelu" else []
         elif isinstance(m, BatchNormConfig):
             size = f"batchnorm {m.n_layer}L x {m.width}w"
@@ -100,13 +100,13 @@ class Case:
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> Case:
         data = dict(data)
-        kind = data.pop("model_kind", "transformer")
-        if kind not in _MODEL_KINDS:
+        kind = data.pop("model_kind", TRANSFORMER)
+        if kind not in _CONFIGS:
             raise InvalidArgument(
-                f"model_kind={kind!r} is not one of {', '.join(_MODEL_KINDS)}"
+                f"model_kind={kind!r} is not one of {', '.join(MODEL_KINDS)}"
             )
         try:
-            model = _MODEL_KINDS[kind](**data.pop("model", {}))
+            model = _CONFIGS[kind](**data.pop("model", {}))
             batch = BatchConfig(**data.pop("batch", {}))
             granularity = parse_granularity(data.pop("granularity", "layer"))
         except TypeError as exc:

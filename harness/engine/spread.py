@@ -11,28 +11,20 @@ from __future__ import annotations
 
 from dataclasses import replace
 from pathlib import Path
-from typing import TypedDict
+from typing import Any
 
 from gradequiv.harness.engine.case import Case
 from gradequiv.harness.errors import InvalidArgument
 from gradequiv.models import (
+    ELEMENT_DROPOUT_SITES,
     BatchConfig,
     BatchNormConfig,
     TransformerConfig,
     parse_granularity,
 )
 
-
-class _Dropouts(TypedDict):
-    """Dropout fields of a TransformerConfig, typed so that ``**`` unpacking is checked."""
-
-    embd_dropout: float
-    attn_dropout: float
-    resid_dropout: float
-    mlp_dropout: float
-
-
-_ALL_DROPOUT = _Dropouts(embd_dropout=0.1, attn_dropout=0.1, resid_dropout=0.1, mlp_dropout=0.1)
+# Config fields by name: the ``**`` below cannot be checked field by field.
+_ALL_DROPOUT: dict[str, Any] = dict.fromkeys(ELEMENT_DROPOUT_SITES, 0.1)
 _SMALL = TransformerConfig(n_layer=2, n_embd=16, n_head=2, max_seq_len=16)
 _LARGE = TransformerConfig(n_layer=4, n_embd=128, n_head=4, max_seq_len=64, **_ALL_DROPOUT)
 

@@ -12,12 +12,9 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
-__all__ = ["Findings", "RegimeFindings", "find", "layer_errors", "random_sites"]
+from gradequiv.models import DROPOUT_SITES
 
-#: Config fields of the transformer that draw random numbers, and their short names.
-_SITES = {"embd_dropout": "embedding dropout", "attn_dropout": "attention dropout",
-          "resid_dropout": "residual dropout", "mlp_dropout": "MLP dropout",
-          "drop_path": "drop-path"}
+__all__ = ["Findings", "RegimeFindings", "find", "layer_errors", "random_sites"]
 
 
 @dataclass
@@ -70,7 +67,7 @@ class Findings:
 def random_sites(case: dict[str, Any]) -> list[str]:
     """The random ops a case's model draws from (empty: a deterministic model)."""
     model = case.get("model", {})
-    sites = [name for key, name in _SITES.items() if float(model.get(key, 0.0) or 0.0) > 0]
+    sites = [name for key, name in DROPOUT_SITES.items() if float(model.get(key, 0.0) or 0.0) > 0]
     if model.get("activation") == "rrelu":
         sites.append("random-slope activation")
     return sites

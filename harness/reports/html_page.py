@@ -17,6 +17,13 @@ from typing import Any
 from gradequiv.harness.reports.bundle import ReportBundle
 from gradequiv.harness.reports.figures import MISSING_MATPLOTLIB, frontier_png, gradient_heatmap_png
 from gradequiv.harness.reports.findings import find
+from gradequiv.harness.reports.tables import (
+    Table,
+    mutants_summary,
+    mutants_table,
+    profile_summary,
+    profile_tables,
+)
 
 __all__ = ["render_html"]
 
@@ -52,11 +59,12 @@ def _img(png: bytes | None, alt: str) -> str:
     return f"<img alt='{escape(alt)}' src='data:image/png;base64,{data}'>"
 
 
-def _table(head: list[str], rows: list[list[Any]], classes: list[str] | None = None) -> str:
-    out = ["<table><tr>" + "".join(f"<th>{escape(h)}</th>" for h in head) + "</tr>"]
-    for i, row in enumerate(rows):
-        cls = f" class='{classes[i]}'" if classes and classes[i] else ""
-        out.append(f"<tr{cls}>" + "".join(f"<td>{escape(str(c))}</td>" for c in row) + "</tr>")
+def _table(table: Table) -> str:
+    out = ["<table><tr>" + "".join(f"<th>{escape(h)}</th>" for h in table.head) + "</tr>"]
+    for i, row in enumerate(table.rows):
+        mark = table.marks[i] if i < len(table.marks) else ""
+        cls = f" class='{mark}'" if mark else ""
+        out.append(f"<tr{cls}>" + "".join(f"<td>{escape(c)}</td>" for c in row) + "</tr>")
     return "\n".join(out) + "</table>"
 
 
@@ -98,36 +106,22 @@ def _check(report: dict[str, Any]) -> list[str]:
         rows.append([r["description"], r["verdict"], statuses,
                      r["first_failure"] or r["error"] or ""])
         classes.append("fail" if r["verdict"] == "fail" else "")
-    parts.append(_table(["case", "verdict", "properties", "first failure"], rows, classes))
+    parts.append(_table(Table(["case", "verdict", "properties", "first failure"], rows,
+                              classes)))
     parts.append("<h2>Conditions</h2>")
-    parts.append(_table(["", ""], [[k, v] for k, v in report["conditions"].items()]))
+    parts.append(_table(Table(["", ""], [[k, str(v)] for k, v in report["conditions"].items()])))
     return parts
 
 
 def _mutants(mutants: dict[str, Any]) -> list[str]:
-    s = mutants["summary"]
-    rows = [[o["role"], o["name"], o["status"], o["caught_by"] or "-", o["examples"],
-             f"{o['seconds']:.1f}"] for o in mutants["outcomes"]]
-    classes = ["fail" if (o["role"] == "mutant") == (o["status"] != "caught") else ""
-               for o in mutants["outcomes"]]
     return ["<h2>Deliberately broken implementations</h2>",
-            f"<p>Mutation score <b>{s['killed']}/{s['valid']}</b>; correct implementations "
-            f"{'all pass' if s['correct_pass'] else '<b>flagged</b>'}.</p>",
-            _table(["role", "implementation", "result", "caught by", "cases", "seconds"],
-                   rows, classes)]
+            f"<p><b>{escape(mutants_summary(mutants))}</b></p>", _table(mutants_table(mutants))]
 
 
 def _profile(profile: dict[str, Any]) -> list[str]:
-    c = profile["conditions"]
-    rows = [[r["granularity"], f"{r['held_bytes']:,}", f"{r['peak_backward_bytes']:,}",
-             f"{r['memory_saved_vs_none']:.1%}", f"{r['step_s']['p50'] * 1e3:.1f}",
-             f"{r['step_s']['p95'] * 1e3:.1f}", f"{r['step_s']['p99'] * 1e3:.1f}",
-             f"{r['overhead_vs_none']:+.1%}", "yes" if r["on_frontier"] else ""]
-            for r in profile["rows"]]
-    return ["<h2>Memory and step time per granularity</h2>",
-            f"<p>{escape(profile['implementation'])} on {escape(c['shape'])}; torch "
-            f"{escape(c['torch'])}, {escape(c['device'])}, {c['threads']} threads, "
-            f"{c['steps']} steps after {c['warmup']} warm-up.</p>",
-            _table(["granularity", "activation bytes", "peak in backward", "saved vs none",
-                    "p50 ms", "p95 ms", "p99 ms", "overhead vs none", "frontier"], rows),
-            _img(frontier_png(profile), "memory against step time")]
+    parts = ["<h2>Memory and step time per granularity</h2>",
+             f"<p>{escape(profile_summary(profile))}</p>"]
+    for caption, table in profile_tables(profile):
+        parts += [f"<p>{escape(caption)}</p>"] if caption else []
+        parts.append(_table(table))
+    return [*parts, _img(frontier_png(profile), "memory against step time")]

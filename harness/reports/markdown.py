@@ -11,8 +11,14 @@ from typing import Any
 
 from gradequiv.harness.reports.bundle import ReportBundle
 from gradequiv.harness.reports.findings import find
+from gradequiv.harness.reports.tables import (
+    mutants_summary,
+    mutants_table,
+    profile_summary,
+    profile_tables,
+)
 
-__all__ = ["render_markdown"]
+__all__ = ["mutants_markdown", "profile_markdown", "render_markdown"]
 
 MAX_FAILURES = 10
 
@@ -88,26 +94,36 @@ def _conditions(conditions: dict[str, Any]) -> str:
     return "Conditions: " + ", ".join(f"{k} {conditions[k]}" for k in keys if k in conditions)
 
 
+def mutants_markdown(mutants: dict[str, Any]) -> str:
+    """mutants.md, from the dict that goes to mutants.json (report.md shows the same)."""
+    return "\n".join(_mutants_body(mutants)) + "\n"
+
+
+def profile_markdown(profile: dict[str, Any]) -> str:
+    """profile.md, from the dict that goes to profile.json (report.md shows the same).
+
+    Without a ``plot`` (``ProfileResult.to_dict()`` alone) it is the table the command
+    prints.
+    """
+    return "\n".join(_profile_body(profile)) + "\n"
+
+
 def _mutants(mutants: dict[str, Any]) -> list[str]:
-    s = mutants["summary"]
-    lines = ["### Deliberately broken implementations", "",
-             f"Mutation score **{s['killed']}/{s['valid']}**; correct implementations "
-             f"{'all pass' if s['correct_pass'] else '**FLAGGED**'}.", "",
-             "| role | implementation | result | caught by | cases |", "|---|---|---|---|---|"]
-    lines += [f"| {o['role']} | {o['name']} | {o['status']} | {o['caught_by'] or '-'} | "
-              f"{o['examples']} |" for o in mutants["outcomes"]]
-    return lines + [""]
+    return ["### Deliberately broken implementations", "", *_mutants_body(mutants), ""]
+
+
+def _mutants_body(mutants: dict[str, Any]) -> list[str]:
+    return [f"**{mutants_summary(mutants)}**", "", *mutants_table(mutants).markdown()]
 
 
 def _profile(profile: dict[str, Any]) -> list[str]:
-    c = profile["conditions"]
-    lines = ["### Memory and step time per granularity", "",
-             f"{profile['implementation']} on {c['shape']}; torch {c['torch']}, {c['device']}, "
-             f"{c['threads']} threads, {c['steps']} steps after {c['warmup']} warm-up.", "",
-             "| granularity | activation bytes | saved vs none | step p50 ms | p95 ms | "
-             "overhead vs none | frontier |", "|---|---|---|---|---|---|---|"]
-    lines += [f"| {r['granularity']} | {r['held_bytes']:,} | {r['memory_saved_vs_none']:.1%} | "
-              f"{r['step_s']['p50'] * 1e3:.1f} | {r['step_s']['p95'] * 1e3:.1f} | "
-              f"{r['overhead_vs_none']:+.1%} | {'yes' if r['on_frontier'] else ''} |"
-              for r in profile["rows"]]
-    return lines + [""]
+    return ["### Memory and step time per granularity", "", *_profile_body(profile), ""]
+
+
+def _profile_body(profile: dict[str, Any]) -> list[str]:
+    lines = [profile_summary(profile)]
+    for caption, table in profile_tables(profile):
+        lines += ["", *([caption, ""] if caption else []), *table.markdown()]
+    if profile.get("plot"):
+        lines += ["", f"![memory against step time]({profile['plot']})"]
+    return lines
