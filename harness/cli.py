@@ -45,10 +45,7 @@ def _count(flag: str) -> Callable[[str], int]:
 
 
 def _seed(flag: str) -> Callable[[str], int]:
-    def seed(name: str, text: Any) -> int:
-        return validate.whole_number(name, text, low=0, high=validate.MAX_SEED)
-
-    return validate.as_argparse_type(seed, flag)
+    return validate.as_argparse_type(validate.seed, flag)
 
 
 def _tolerance(flag: str) -> Callable[[str], float]:

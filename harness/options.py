@@ -135,7 +135,7 @@ def check_options(
         impl=impl,
         impl_kwargs=kwargs_given,
         adapter=None if adapter is None else validate.choice(flag("adapter"), adapter, ADAPTERS),
-        seed=validate.whole_number(flag("seed"), seed, low=0, high=validate.MAX_SEED),
+        seed=validate.seed(flag("seed"), seed),
         examples=None if examples is None else validate.whole_number(flag("examples"), examples),
         profile=validate.choice(flag("profile"), profile, PROFILES),
         device=validate.choice(flag("device"), device or "auto", DEVICES),

@@ -21,6 +21,7 @@ __all__ = [
     "boolean",
     "choice",
     "impl_kwargs",
+    "seed",
     "shard",
     "whole_number",
 ]
@@ -45,6 +46,11 @@ def whole_number(name: str, value: Any, *, low: int = 1, high: int | None = None
     if high is not None and number > high:
         raise InvalidArgument(f"{name}={number}: must be at most {high}")
     return number
+
+
+def seed(name: str, value: Any) -> int:
+    """A seed: a whole number from 0 to :data:`MAX_SEED`."""
+    return whole_number(name, value, low=0, high=MAX_SEED)
 
 
 def bound(name: str, value: Any) -> float:
