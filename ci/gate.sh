@@ -14,8 +14,8 @@
 # appended to it.
 #
 # Exit status: that of `gradequiv check` (0 pass, 1 a property failed, 2 usage
-# error, 130 interrupted); 1 if check passed but a mutant survived; 2 if the
-# reports could not be rendered.
+# error, 130 interrupted); 1 if check passed but a mutant survived, or report.json
+# is missing, incomplete or not this run's; 2 if the reports could not be rendered.
 set -uo pipefail
 
 impl="" mutants=0 dir="gradequiv-report" extra=()
@@ -35,7 +35,10 @@ if [[ -z "$impl" ]]; then
 fi
 gradequiv=${GRADEQUIV:-gradequiv}
 
-"$gradequiv" check --impl "$impl" --report-dir "$dir" "${extra[@]}"
+# The run's id: report.json must say this run wrote it, whole, or the gate fails; an
+# implementation that ends the process, or a report left by an earlier run, is no pass.
+run_id="gate-$(date +%s)-$$-$RANDOM"
+GRADEQUIV_RUN_ID="$run_id" "$gradequiv" check --impl "$impl" --report-dir "$dir" "${extra[@]}"
 status=$?
 if ((mutants)) && ((status == 0 || status == 1)); then
     "$gradequiv" mutants --report-dir "$dir"
@@ -43,8 +46,15 @@ if ((mutants)) && ((status == 0 || status == 1)); then
     if ((status == 0 && mutants_status != 0)); then status=1; fi
 fi
 if [[ -f "$dir/report.json" || -f "$dir/mutants.json" ]]; then
-    "$gradequiv" report "$dir" --format all || status=2
-    if [[ -n "${GITHUB_STEP_SUMMARY:-}" && -f "$dir/report.md" ]]; then
+    "$gradequiv" report "$dir" --format all --require-run "$run_id"
+    rendered=$?
+    if ((rendered == 2)); then status=2; elif ((rendered != 0 && status == 0)); then status=1; fi
+elif ((status == 0)); then
+    echo "ci/gate.sh: check exited 0 but run $run_id wrote no report.json: not a pass" >&2
+    status=1
+fi
+if [[ -f "$dir/report.md" ]]; then
+    if [[ -n "${GITHUB_STEP_SUMMARY:-}" ]]; then
         cat "$dir/report.md" >> "$GITHUB_STEP_SUMMARY"
     fi
 fi

@@ -25,11 +25,10 @@ from gradequiv.harness import validate
 from gradequiv.harness.errors import InvalidArgument
 from gradequiv.harness.implementations.resolve import BUILTINS
 from gradequiv.harness.options import ADAPTERS, DEVICES, PROFILES, CheckOptions, check_options
+from gradequiv.harness.reports.files import RENDERED
 
 EXIT_PASS, EXIT_FAIL, EXIT_USAGE, EXIT_INTERRUPTED = 0, 1, 2, 130
 
-#: Output formats of ``gradequiv report`` (the render command owns the file names).
-FORMATS = ("md", "html", "junit")
 _DEFAULT_GRANULARITIES = ("none", "layer", "every:2", "group:2", "attention", "mlp")
 
 
@@ -142,12 +141,15 @@ def build_parser() -> argparse.ArgumentParser:
         "report", help="render a report folder as Markdown, HTML or JUnit XML")
     report.add_argument("folder", type=Path, metavar="DIR",
                         help="a --report-dir of check, mutants and/or profile")
-    report.add_argument("--format", choices=(*FORMATS, "all"), default="all",
+    report.add_argument("--format", choices=(*RENDERED, "all"), default="all",
                         help="md (CI job summary), html (self-contained page with plots), "
                              "junit (XML); all: every format (default)")
     report.add_argument("--output", default=None, metavar="PATH",
                         help="where to write one format ('-': standard output); default "
                              "DIR/report.md, DIR/report.html, DIR/junit.xml")
+    report.add_argument("--require-run", default=None, metavar="ID",
+                        help="exit 1 unless report.json is there, complete, and written by "
+                             "the run with this id (GRADEQUIV_RUN_ID; ci/gate.sh sets one)")
     report.add_argument("--fail-on-verdict", action="store_true",
                         help="exit 1 when the report's verdict is not pass (CI gates)")
     return parser

@@ -29,7 +29,9 @@ def assert_property(name: str, impl: Implementation, case: Case, node: pytest.It
     device = run.device()
     verdict, fresh = run.cache.verify(impl, case, device)
     if fresh:
-        node.user_properties.append((CASE_KEY, verdict_record(impl, verdict, device)))
+        record = verdict_record(impl, verdict, device)
+        node.user_properties.append((CASE_KEY, record))
+        run.record(record)
     if currently_in_test_context():
         _statistics(case, verdict)
     message = _failure(name, verdict)

@@ -1,9 +1,13 @@
-"""The pytest plugin (entry point ``pytest11``): options, fixture, header, summary, report.
+"""The pytest plugin (entry point ``pytest11``): options, fixture, header, progress, summary.
 
 Loaded into every pytest run where gradequiv is installed, so it imports
 neither torch nor the engine at import time; it only acts on runs that
-collect the property suite. Each option has an ini key and an environment
-variable (command line > environment > ini > default).
+collect the property suite. The run's options come from ``gradequiv check``
+(a ``SuiteRun``), from the xdist controller, or from the ``--gradequiv-*``
+options, each with an ini key and an environment variable (command line >
+environment > ini > default), validated by ``gradequiv.harness.options``.
+It gathers cases and outcomes; ``gradequiv.harness.reports.report`` turns
+them into report.json.
 """
 
 from __future__ import annotations
@@ -277,6 +281,10 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) ->
 class _Gatherer:
     """Gathers verdicts and failures (from this process or xdist workers); writes the report."""
 
+    #: at most one rewrite of report.json per this many seconds as cases finish (the last
+    #: one of a run, and one at the end of each test, are always written)
+    WRITE_EVERY_S = 1.0
+
     def __init__(self, config: pytest.Config) -> None:
         self.config = config
         self.records: dict[str, dict[str, Any]] = {}
@@ -284,6 +292,28 @@ class _Gatherer:
         self.outcomes: dict[str, str] = {}
         self.collected = False
         self.is_worker = hasattr(config, "workerinput")
+        self.written_at = -float("inf")
+        if not self.is_worker:
+            runtime.RUN.on_record.append(self.case_finished)
+
+    def case_finished(self, record: dict[str, Any]) -> None:
+        """Keep a case as soon as it is verified: a kill or an interrupt keeps it too."""
+        self.records.setdefault(record["reproduce"], record)
+        if self._writes_report() and time.monotonic() - self.written_at >= self.WRITE_EVERY_S:
+            self.write_report(complete=False)
+
+    def pytest_sessionstart(self, session: pytest.Session) -> None:
+        """The folder is this run's: what an earlier run left there goes first."""
+        from gradequiv.harness.reports.files import claim_report_dir
+        from gradequiv.harness.reports.report import run_identity
+
+        runtime.RUN.identity = run_identity()
+        report_dir = runtime.RUN.options.report_dir
+        if not self.is_worker and report_dir is not None:
+            try:
+                claim_report_dir(report_dir)
+            except InvalidArgument as exc:
+                raise pytest.UsageError(str(exc)) from exc
 
     def pytest_collection_modifyitems(self, items: list[pytest.Item]) -> None:
         self.collected = any("test_recompute.py::" in item.nodeid for item in items)
@@ -336,7 +366,8 @@ class _Gatherer:
 
     def write_report(self, *, complete: bool) -> None:
         """report.json, assembled by its one author from what this run gathered."""
-        from gradequiv.harness.reports.report import assemble_check_report, write_json_atomic
+        from gradequiv.harness.reports.files import REPORT_FILE, write_json_atomic
+        from gradequiv.harness.reports.report import assemble_check_report
 
         run = runtime.RUN
         impl = run.used
@@ -345,6 +376,7 @@ class _Gatherer:
         report = assemble_check_report(
             options=run.options, impl=impl, device=run.device(),
             records=list(self.records.values()), outcomes=self.outcomes,
-            failures=self.failures, complete=complete)
+            failures=self.failures, complete=complete, run=run.identity)
         assert run.options.report_dir is not None
-        write_json_atomic(run.options.report_dir / "report.json", report)
+        write_json_atomic(run.options.report_dir / REPORT_FILE, report)
+        self.written_at = time.monotonic()

@@ -78,6 +78,15 @@ class SuiteState:
         #: the implementation the suite's tests were handed (a conftest may override it)
         self.used: Implementation | None = None
         self.cache = VerdictCache()
+        #: which run this is (``reports.report.run_identity``), set by the plugin
+        self.identity: dict[str, Any] | None = None
+        #: hear of each case record as it is made (the report is rewritten as cases finish)
+        self.on_record: list[Callable[[dict[str, Any]], None]] = []
+
+    def record(self, record: dict[str, Any]) -> None:
+        """A case finished: tell whoever listens (the plugin's report writer)."""
+        for listener in self.on_record:
+            listener(record)
 
     def implementation(self) -> Implementation:
         """The implementation named by the options, resolved on first use."""

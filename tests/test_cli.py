@@ -128,6 +128,13 @@ def test_an_interrupted_run_leaves_a_valid_report_marked_incomplete(
      "n_embd=10 is not divisible by n_head=3"),
     (["--impl", "torch", "--case", '{"granularity": "every:x"}'], "needs a whole number"),
     (["--impl", "torch", "--case", "{not json"], "is not valid JSON"),
+    # cases that build but cannot run here: refused before the first case, not failed
+    (["--impl", "torch", "--case", '{"dtype": "fp16-autocast"}', "--device", "cpu"],
+     "dtype='fp16-autocast' needs CUDA"),
+    (["--impl", "torch", "--case", '{"model": {"max_seq_len": 8}, "batch": {"seq_len": 16}}'],
+     "seq_len=16 exceeds max_seq_len=8"),
+    (["--impl", "torch", "--case", '{"model_kind": "batchnorm", "granularity": "attention"}'],
+     "granularity='attention' does not apply to the batchnorm model"),
     (["--impl", "torch", "--case", "/nonexistent/case.json"], "could not be read"),
     (["--impl", "torch", "--rtol", "-1"], "must be a finite number >= 0"),
     (["--impl", "torch", "--shard", "3/2"], "'3/2' is not I/N with 1 <= I <= N"),

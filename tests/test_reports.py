@@ -151,7 +151,8 @@ def test_a_killed_run_leaves_a_valid_report_marked_incomplete(
             env=env, cwd=tmp_path, stdout=subprocess.DEVNULL, stderr=stderr)
         try:
             deadline = time.monotonic() + 240
-            while not report_file.exists():  # written after the first property test
+            # report.json is written as cases finish; wait for a property test to end too
+            while not (report_file.exists() and json.loads(report_file.read_text())["tests"]):
                 assert process.poll() is None, log.read_text()
                 assert time.monotonic() < deadline, "no report.json after 240 s"
                 time.sleep(0.2)

@@ -28,8 +28,10 @@ def run(options: CheckOptions) -> int:
     from gradequiv.harness.engine.compare import Tolerance
     from gradequiv.harness.engine.devices import resolve_device
     from gradequiv.harness.engine.spread import load_case
+    from gradequiv.harness.engine.verify import check_runnable
     from gradequiv.harness.implementations.libraries import HF_NEEDS_MODEL
     from gradequiv.harness.implementations.resolve import resolve
+    from gradequiv.harness.reports.files import claim_report_dir
     from gradequiv.models.kinds import EXTERNAL
 
     if options.impl is None:
@@ -41,12 +43,15 @@ def run(options: CheckOptions) -> int:
     case = None
     if options.case is not None:
         case = load_case(options.case)
+        check_runnable(case, device)
         Tolerance(case.dtype, options.rtol, options.atol)
     if options.model is not None:
         check_model(options.model)
     elif impl.spec == "hf" and (case is None or case.model_kind != EXTERNAL):
         raise InvalidArgument(HF_NEEDS_MODEL)
     Tolerance("fp32", options.rtol, options.atol)
+    if options.report_dir is not None:
+        claim_report_dir(options.report_dir)
 
     shard = "" if options.shard == (1, 1) else f", shard {options.shard[0]}/{options.shard[1]}"
     print(f"gradequiv check: {impl.spec} ({impl.adapter}) on {device}, torch "

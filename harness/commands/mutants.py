@@ -18,8 +18,8 @@ from typing import Any
 
 from gradequiv.harness.implementations.faults import MUTANTS
 from gradequiv.harness.options import SuiteRun, check_options
+from gradequiv.harness.reports.files import write_json_atomic, write_text_atomic
 from gradequiv.harness.reports.markdown import mutants_markdown
-from gradequiv.harness.reports.report import write_json_atomic, write_text_atomic
 from gradequiv.harness.reports.tables import mutants_summary
 from gradequiv.models import DRAWN_MODELS
 from gradequiv.models.kinds import TRANSFORMER

@@ -256,8 +256,8 @@ def run(args: Any) -> int:
     """The profile command: measure, print the table, write DIR/profile.json (+ .md, .png)."""
     from gradequiv.harness.engine.devices import resolve_device
     from gradequiv.harness.implementations.resolve import resolve
+    from gradequiv.harness.reports.files import write_json_atomic
     from gradequiv.harness.reports.markdown import profile_markdown
-    from gradequiv.harness.reports.report import write_json_atomic
     from gradequiv.harness.validate import impl_kwargs
     from gradequiv.models import (
         ELEMENT_DROPOUT_SITES,

@@ -7,17 +7,23 @@ from pathlib import Path
 from typing import Any
 
 from gradequiv.harness.errors import InvalidArgument
+from gradequiv.harness.reports.files import RENDERED
 
 #: Output formats and their default file names.
-FORMATS = {"md": "report.md", "html": "report.html", "junit": "junit.xml"}
+FORMATS = RENDERED
 
 
 def run(args: Any) -> int:
     """Render the folder's JSON in the asked formats; writes are atomic, like the JSON's."""
     from gradequiv.harness.reports.bundle import load_bundle
-    from gradequiv.harness.reports.report import write_text_atomic
+    from gradequiv.harness.reports.files import write_text_atomic
 
     bundle = load_bundle(args.folder)
+    foreign, partial = (None, None) if args.require_run is None else \
+        run_problems(bundle.report, args.require_run)
+    if foreign is not None:  # another run's verdict is never rendered as this one's
+        print(f"gradequiv report: {foreign}", file=sys.stderr)
+        return 1
     formats = list(FORMATS) if args.format == "all" else [args.format]
     if args.output is not None and len(formats) > 1:
         raise InvalidArgument(f"--output={args.output!r} names one file but --format=all "
@@ -35,9 +41,25 @@ def run(args: Any) -> int:
         path = Path(args.output) if args.output else args.folder / FORMATS[name]
         write_text_atomic(path, text)
         print(f"gradequiv report: wrote {path}", file=sys.stderr)
+    if partial is not None:
+        print(f"gradequiv report: {partial}", file=sys.stderr)
+        return 1
     if args.fail_on_verdict and bundle.verdict != "pass":
         return 1
     return 0
+
+
+def run_problems(report: dict[str, Any] | None, run_id: str) -> tuple[str | None, str | None]:
+    """Why ``report`` is not run ``run_id``'s (first) or not its whole verdict (second)."""
+    if report is None:
+        return f"no report.json: run {run_id} wrote none (it ended before its first case?)", None
+    written_by = (report.get("run") or {}).get("id")
+    if written_by != run_id:
+        return (f"report.json was written by run {written_by!r}, not by run {run_id!r}: a "
+                f"stale or foreign report"), None
+    if not report.get("complete"):
+        return None, f"report.json of run {run_id} is incomplete: the run stopped before the end"
+    return None, None
 
 
 def render(name: str, bundle: Any) -> str:

@@ -42,7 +42,7 @@ from gradequiv.harness.errors import InvalidArgument
 from gradequiv.harness.implementations.adapters import Implementation
 from gradequiv.harness.implementations.compiled import FLOOR, REFERENCE, CompileSpec
 from gradequiv.harness.implementations.resolve import resolve
-from gradequiv.models import NoRecompute
+from gradequiv.models import NoRecompute, build
 
 PROPERTIES = ("outputs", "gradients", "buffers", "rng", "trajectory", "recompute")
 
@@ -127,8 +127,7 @@ def verify(
     """Check ``impl`` on ``case`` against full storage; never raises for the impl's faults."""
     impl = resolve(impl) if isinstance(impl, str) else impl
     device = torch.device(device)
-    if case.dtype in CUDA_ONLY_DTYPES and device.type != "cuda":
-        raise InvalidArgument(f"dtype={case.dtype!r} needs CUDA; use fp32 or bf16-autocast on CPU")
+    _check_device(case, device)
     tolerance = tolerance or Tolerance(regime=case.dtype)
     verdict = Verdict(case=case, impl=impl.spec, device=str(device))
     reference = REFERENCE if impl.compiled else None  # compiled code is compared to compiled
@@ -161,6 +160,20 @@ def verify(
         verdict.properties[-1] = _check_offload(case, full, recompute, device)
     verdict.seconds["compare"] = time.perf_counter() - started
     return verdict
+
+
+def check_runnable(case: Case, device: str | torch.device) -> None:
+    """Raise InvalidArgument now if ``case`` cannot run on ``device``: a dtype the device
+    lacks, a batch longer than the model's positions, a granularity the model has no
+    segments for. For a command to refuse before its first case (exit 2), not fail it."""
+    device = torch.device(device)
+    _check_device(case, device)
+    build(case.model, case.batch, case.seed, "cpu").segments(case.granularity)
+
+
+def _check_device(case: Case, device: torch.device) -> None:
+    if case.dtype in CUDA_ONLY_DTYPES and device.type != "cuda":
+        raise InvalidArgument(f"dtype={case.dtype!r} needs CUDA; use fp32 or bf16-autocast on CPU")
 
 
 @contextlib.contextmanager

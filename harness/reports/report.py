@@ -7,16 +7,15 @@ finished, marked ``"complete": false``, and never a half-written file.
 
 from __future__ import annotations
 
-import contextlib
-import json
+import datetime
 import math
 import os
 import platform
 import shlex
-import tempfile
+import sys
+import uuid
 from dataclasses import asdict
 from importlib.metadata import PackageNotFoundError, version
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -27,6 +26,13 @@ from gradequiv.harness.implementations.adapters import Implementation
 from gradequiv.harness.options import CheckOptions
 
 SCHEMA_VERSION = 1
+
+def run_identity(run_id: str | None = None) -> dict[str, Any]:
+    """Which run wrote a report: an id (``GRADEQUIV_RUN_ID`` when a gate sets one), when it
+    started, its command line and process."""
+    return {"id": run_id or os.environ.get("GRADEQUIV_RUN_ID") or uuid.uuid4().hex,
+            "started": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+            "command": shlex.join(sys.argv), "pid": os.getpid()}
 
 
 def gradequiv_version() -> str:
@@ -105,6 +111,7 @@ def assemble_check_report(
     outcomes: dict[str, str],
     failures: list[dict[str, Any]],
     complete: bool,
+    run: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """report.json of a check run, whole: the one place its verdict and failure are decided.
 
@@ -113,8 +120,10 @@ def assemble_check_report(
     pytest plugin gathers all three and decides nothing).
     """
     failed = [r for r in records if r["verdict"] == "fail"]
-    verdict_fails = (bool(failed) or not records or bool(failures)
-                     or any(v != "passed" for v in outcomes.values()))
+    # A pass needs every property test to have ended and passed: a run that stopped early
+    # (interrupted, killed, or still going when this is written) has proved nothing whole.
+    verdict_fails = (bool(failed) or not records or bool(failures) or not complete
+                     or not outcomes or any(v != "passed" for v in outcomes.values()))
     conditions = run_conditions(device, options.seed) | {
         "profile": options.profile, "examples_per_property": options.max_examples,
         "shard": f"{options.shard[0]}/{options.shard[1]}"}
@@ -130,6 +139,7 @@ def assemble_check_report(
         "command": "check",
         "verdict": "fail" if verdict_fails else "pass",
         "complete": complete,
+        "run": run,
         "implementation": implementation,
         "conditions": conditions,
         "summary": {"run": len(records), "passed": len(records) - len(failed),
@@ -191,27 +201,3 @@ def first_mismatch(record: dict[str, Any]) -> dict[str, Any] | None:
             if not check["passed"]:
                 return dict(check)
     return None
-
-
-def write_json_atomic(path: Path, data: dict[str, Any]) -> None:
-    """Write ``data`` to ``path`` so that readers see the old file or the new one, whole."""
-    write_text_atomic(path, json.dumps(data, indent=1, sort_keys=False, allow_nan=False) + "\n")
-
-
-def write_text_atomic(path: Path, text: str) -> None:
-    """Write ``text`` to ``path`` through a temporary file and a rename: never half a file."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
-    umask = os.umask(0)
-    os.umask(umask)
-    os.chmod(tmp, 0o666 & ~umask)  # mkstemp makes it 0600; a report is for others to read
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as handle:
-            handle.write(text)
-            handle.flush()
-            os.fsync(handle.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        with contextlib.suppress(OSError):
-            os.unlink(tmp)
-        raise
