@@ -304,16 +304,16 @@ class _Gatherer:
 
     def pytest_sessionstart(self, session: pytest.Session) -> None:
         """The folder is this run's: what an earlier run left there goes first."""
-        from gradequiv.harness.reports.files import claim_report_dir
-        from gradequiv.harness.reports.report import run_identity
+        report_dir = runtime.RUN.options.report_dir
+        if self.is_worker or report_dir is None:
+            return
+        from gradequiv.harness.reports.files import claim_report_dir, run_identity
 
         runtime.RUN.identity = run_identity()
-        report_dir = runtime.RUN.options.report_dir
-        if not self.is_worker and report_dir is not None:
-            try:
-                claim_report_dir(report_dir)
-            except InvalidArgument as exc:
-                raise pytest.UsageError(str(exc)) from exc
+        try:
+            claim_report_dir(report_dir)
+        except InvalidArgument as exc:
+            raise pytest.UsageError(str(exc)) from exc
 
     def pytest_collection_modifyitems(self, items: list[pytest.Item]) -> None:
         self.collected = any("test_recompute.py::" in item.nodeid for item in items)

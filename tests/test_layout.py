@@ -9,6 +9,7 @@ imports anything, in a subprocess.
 from __future__ import annotations
 
 import ast
+import os
 import subprocess
 import sys
 import textwrap
@@ -329,3 +330,19 @@ def test_checker_finds_circles_upward_imports_and_unknown_names(tmp_path: Path) 
                                             "gradequiv.harness.engine.verify"}
     assert [(i.target, i.where) for i in unknown] == [
         ("gradequiv.harness.engine.nowhere", "harness/reports/report.py:5")]
+
+
+def test_a_pytest_run_that_is_not_the_suite_imports_no_torch(tmp_path: Path) -> None:
+    """The plugin loads into every pytest run where gradequiv is installed: a user's own,
+    unrelated tests must not pay for torch."""
+    (tmp_path / "test_plain.py").write_text(
+        "import sys\n\n\ndef test_no_torch():\n    assert 'torch' not in sys.modules\n")
+    env = {k: v for k, v in os.environ.items()
+           if not k.startswith("GRADEQUIV_") and k != "PYTEST_DISABLE_PLUGIN_AUTOLOAD"}
+    done = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
+                           "test_plain.py"], cwd=tmp_path, capture_output=True, text=True,
+                          timeout=120, check=False, env=env)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "gradequiv" in subprocess.run(  # the plugin was loaded: the test proves something
+        [sys.executable, "-m", "pytest", "--help"], cwd=tmp_path, capture_output=True,
+        text=True, timeout=120, check=False, env=env).stdout

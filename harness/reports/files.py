@@ -1,4 +1,4 @@
-"""The files of a report folder: their names, a run's claim on the folder, atomic writes.
+"""The files of a report folder: their names, a run's claim on it and identity, atomic writes.
 
 Pure Python (no torch): the command line reads the names for ``--help``.
 """
@@ -6,15 +6,19 @@ Pure Python (no torch): the command line reads the names for ``--help``.
 from __future__ import annotations
 
 import contextlib
+import datetime
 import json
 import os
+import shlex
+import sys
 import tempfile
+import uuid
 from pathlib import Path
 from typing import Any
 
 from gradequiv.harness.errors import InvalidArgument
 
-__all__ = ["RENDERED", "REPORT_FILE", "claim_report_dir", "write_json_atomic",
+__all__ = ["RENDERED", "REPORT_FILE", "claim_report_dir", "run_identity", "write_json_atomic",
            "write_text_atomic"]
 
 #: The files a check run owns in its report folder: report.json and the views rendered from
@@ -65,3 +69,11 @@ def write_text_atomic(path: Path, text: str) -> None:
         with contextlib.suppress(OSError):
             os.unlink(tmp)
         raise
+
+
+def run_identity(run_id: str | None = None) -> dict[str, Any]:
+    """Which run wrote a report: an id (``GRADEQUIV_RUN_ID`` when a gate sets one), when it
+    started, its command line and process."""
+    return {"id": run_id or os.environ.get("GRADEQUIV_RUN_ID") or uuid.uuid4().hex,
+            "started": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+            "command": shlex.join(sys.argv), "pid": os.getpid()}

@@ -7,13 +7,9 @@ finished, marked ``"complete": false``, and never a half-written file.
 
 from __future__ import annotations
 
-import datetime
 import math
-import os
 import platform
 import shlex
-import sys
-import uuid
 from dataclasses import asdict
 from importlib.metadata import PackageNotFoundError, version
 from typing import Any
@@ -26,14 +22,6 @@ from gradequiv.harness.implementations.adapters import Implementation
 from gradequiv.harness.options import CheckOptions
 
 SCHEMA_VERSION = 1
-
-def run_identity(run_id: str | None = None) -> dict[str, Any]:
-    """Which run wrote a report: an id (``GRADEQUIV_RUN_ID`` when a gate sets one), when it
-    started, its command line and process."""
-    return {"id": run_id or os.environ.get("GRADEQUIV_RUN_ID") or uuid.uuid4().hex,
-            "started": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
-            "command": shlex.join(sys.argv), "pid": os.getpid()}
-
 
 def gradequiv_version() -> str:
     try:
