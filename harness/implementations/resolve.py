@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import difflib
 import importlib
+import inspect
 import os
 import pkgutil
 import sys
@@ -86,6 +87,7 @@ def resolve(
             f"callable; point at a function or class"
         )
     chosen = str(adapter or getattr(target, "gradequiv_adapter", "function"))
+    _check_signature(spec, target, dict(kwargs or {}))
     return Implementation(spec, target, chosen, dict(kwargs or {}))
 
 
@@ -137,6 +139,24 @@ def _require(spec: str, kwargs: dict[str, Any] | None) -> None:
     """A missing library or a bad option of a built-in: exit 2 before any case runs."""
     from gradequiv.harness.implementations import libraries, torch_builtins
 
-    if spec == "torch-sac":
-        torch_builtins.sac_policy((kwargs or {}).get("policy", "matmuls"))
+    if spec in torch_builtins.OPTIONS:
+        torch_builtins.check_options(spec, kwargs or {})
     libraries.require(spec)
+
+
+def _check_signature(spec: str, target: Callable[..., Any], kwargs: dict[str, Any]) -> None:
+    """An option the target's signature cannot take is exit 2 now, not a TypeError in
+    every case; a target that takes ``**kwargs`` (or hides its signature) is trusted."""
+    try:
+        parameters = inspect.signature(target).parameters.values()
+    except (TypeError, ValueError):
+        return
+    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters):
+        return
+    named = {p.name for p in parameters
+             if p.kind in (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)}
+    for name, value in kwargs.items():
+        if name not in named:
+            known = ", ".join(sorted(named)) or "none"
+            raise InvalidArgument(f"--impl-kwarg {name}={value!r}: {spec!r} takes no keyword "
+                                  f"{name!r} (its parameters: {known})")

@@ -153,3 +153,35 @@ def torch_offload_wrapper(module: nn.Module) -> nn.Module:
     from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import offload_wrapper
 
     return offload_wrapper(module)
+
+
+# -- the options each built-in takes ------------------------------------------------------------
+
+#: Options torch.utils.checkpoint takes for itself; it hands any other keyword to the segment.
+_CHECKPOINT_OPTIONS = ("use_reentrant", "preserve_rng_state", "determinism_check", "debug")
+#: SPEC -> the ``--impl-kwarg`` names it accepts (``context_fn`` is not given on a command line)
+OPTIONS: dict[str, tuple[str, ...]] = {
+    "torch": _CHECKPOINT_OPTIONS,
+    "torch-reentrant": ("preserve_rng_state", "determinism_check", "debug"),
+    "torch-sac": ("policy", "preserve_rng_state", "determinism_check", "debug"),
+    "torch-wrapper": ("reentrant", "preserve_rng_state", "determinism_check", "debug"),
+    "torch-offload": ("pin_memory",),
+    "torch-offload-wrapper": (),
+}
+_BOOLEANS = ("use_reentrant", "preserve_rng_state", "debug", "reentrant", "pin_memory")
+
+
+def check_options(spec: str, kwargs: dict[str, Any]) -> None:
+    """Refuse an option built-in SPEC does not take, or a true/false option given another
+    value: torch would hand an unknown keyword to the segment and fail every case."""
+    allowed = OPTIONS[spec]
+    for name, value in kwargs.items():
+        if name not in allowed:
+            takes = f"its options are {', '.join(allowed)}" if allowed else "it takes none"
+            raise InvalidArgument(f"--impl-kwarg {name}={value!r}: --impl={spec!r} has no "
+                                  f"option {name!r}; {takes}")
+        if name in _BOOLEANS and not isinstance(value, bool):
+            raise InvalidArgument(f"--impl-kwarg {name}={value!r} is not true or false; write "
+                                  f"--impl-kwarg {name}=true or {name}=false")
+    if spec == "torch-sac":
+        sac_policy(kwargs.get("policy", "matmuls"))
