@@ -22,12 +22,10 @@ from pathlib import Path
 from typing import Any, NoReturn
 
 from gradequiv.harness import validate
-from gradequiv.harness.errors import InvalidArgument
+from gradequiv.harness.errors import EXIT_INTERRUPTED, EXIT_USAGE, InvalidArgument
 from gradequiv.harness.implementations.resolve import BUILTINS
 from gradequiv.harness.options import ADAPTERS, DEVICES, PROFILES, CheckOptions, check_options
 from gradequiv.harness.reports.files import RENDERED
-
-EXIT_PASS, EXIT_FAIL, EXIT_USAGE, EXIT_INTERRUPTED = 0, 1, 2, 130
 
 _DEFAULT_GRANULARITIES = ("none", "layer", "every:2", "group:2", "attention", "mlp")
 

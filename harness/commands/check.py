@@ -15,10 +15,15 @@ import tempfile
 from dataclasses import replace
 from pathlib import Path
 
-from gradequiv.harness.errors import InvalidArgument
+from gradequiv.harness.errors import (
+    EXIT_FAIL,
+    EXIT_INTERRUPTED,
+    EXIT_PASS,
+    EXIT_USAGE,
+    InvalidArgument,
+)
 from gradequiv.harness.options import CheckOptions, SuiteRun
 
-EXIT_PASS, EXIT_FAIL, EXIT_USAGE, EXIT_INTERRUPTED = 0, 1, 2, 130
 
 def run(options: CheckOptions) -> int:
     """The check command: exit 0 pass, 1 fail, 2 usage error, 130 interrupted."""
