@@ -1,4 +1,5 @@
-"""The names of the models a case can hold, torch-free: the option parser reads them too.
+"""The names a case's JSON uses for its model and its training, torch-free: the option
+parser and the implementations read them too.
 
 A case names its model in its JSON (``model_kind``); ``--gradequiv-models`` picks
 among the reference models by the same names.
@@ -6,7 +7,7 @@ among the reference models by the same names.
 
 from __future__ import annotations
 
-__all__ = ["BATCHNORM", "DRAWN_MODELS", "EXTERNAL", "MODEL_KINDS", "TRANSFORMER"]
+__all__ = ["BATCHNORM", "DRAWN_MODELS", "EXTERNAL", "GRAD_MODES", "MODEL_KINDS", "TRANSFORMER"]
 
 TRANSFORMER = "transformer"  # the reference transformer (models/transformer.py)
 BATCHNORM = "batchnorm"  # the BatchNorm MLP of the buffers property (models/batchnorm.py)
@@ -17,3 +18,8 @@ MODEL_KINDS = (TRANSFORMER, BATCHNORM, EXTERNAL)
 #: The reference models cases are drawn for; ``external`` is a user's model, named with
 #: ``--model`` instead.
 DRAWN_MODELS = (TRANSFORMER, BATCHNORM)
+
+#: How a case asks for gradients each step, cheapest first: ``loss.backward()``;
+#: ``torch.autograd.grad`` (gradient penalties, meta-learning: no ``.grad`` may be touched);
+#: two micro-batches accumulated before the optimizer step.
+GRAD_MODES = ("backward", "autograd-grad", "accumulate")

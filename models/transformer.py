@@ -8,13 +8,24 @@ RReLU noise), and the fused attention path draws its dropout inside SDPA.
 Segments are called the way real layers are: two tensors that require grad
 (the residual stream ``x`` and the embedding output ``x0``, which every layer
 mixes back in), a padding mask that does not, and keyword arguments
-(``causal``, ``residual_scale``) whose loss would change the result.
+(``causal``, ``residual_scale``) whose loss would change the result. Three
+knobs make segments look like other real layers, each off by default:
+
+* ``x0_keyword``: ``x0`` (and so the mask after it) goes by keyword,
+  ``layer(x, x0=x0, key_padding_mask=mask, ...)``, as a tensor needing grad
+  in ``kwargs``;
+* ``aux_loss``: each layer also computes an MoE-router z-loss from its own
+  parameters and its input and returns ``(x, aux)``, a group ``(x, its summed
+  aux)``; the model returns ``(logits, total aux)`` and the loss adds the aux;
+* ``layer_repeats``: weight sharing, each segment (a layer, or a group under
+  group granularity) called that many times in a row in one forward, each
+  time on a new input.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 from typing import Any, Literal, cast
 
@@ -172,6 +183,10 @@ class Block(nn.Module):
         self.drop_path = DropPath(config.drop_path)
         # How much of the embedding is mixed back in; 1-D, as FSDP shards no 0-dim parameter.
         self.x0_gate = nn.Parameter(torch.full((1,), 0.1))
+        # An MoE router's logits, only for their z-loss (no experts): a second output that
+        # reaches the loss. Not named ``router``, the attribute the recompute router holds.
+        self.expert_router = (nn.Linear(config.n_embd, 4, bias=False)
+                              if config.aux_loss else None)
 
     def forward(
         self,
@@ -181,8 +196,9 @@ class Block(nn.Module):
         *,
         causal: bool = False,
         residual_scale: float = 1.0,
-    ) -> Tensor:
+    ) -> Tensor | tuple[Tensor, Tensor]:
         x = x + self.x0_gate * x0
+        aux = None if self.expert_router is None else _z_loss(self.expert_router(x))
         if self.pre_norm:
             a = self.router(self.attn, self.norm_1(x), key_padding_mask, causal=causal)
             x = x + residual_scale * self.drop_path(a)
@@ -193,15 +209,58 @@ class Block(nn.Module):
             x = self.norm_1(x + residual_scale * self.drop_path(a))
             m = self.router(self.mlp, x)
             x = self.norm_2(x + residual_scale * self.drop_path(m))
-        return x
+        return x if aux is None else (x, aux)
+
+
+def _z_loss(router_logits: Tensor) -> Tensor:
+    """The router z-loss (ST-MoE), in fp32 as under autocast its logsumexp would overflow."""
+    return 1e-2 * torch.logsumexp(router_logits.float(), dim=-1).square().mean()
+
+
+def _plain_call(module: nn.Module, *args: Any, **kwargs: Any) -> Any:
+    return module(*args, **kwargs)
+
+
+def _run_layer(
+    call: Callable[..., Any],
+    layer: nn.Module,
+    x: Tensor,
+    x0: Tensor,
+    key_padding_mask: Tensor | None,
+    *,
+    x0_keyword: bool,
+    causal: bool,
+    residual_scale: float,
+) -> tuple[Tensor, Tensor | None]:
+    """One layer (or group) through ``call``, ``x0`` by position or keyword; its new
+    residual stream and its aux loss (None without one)."""
+    if x0_keyword:  # the mask follows x0 in the signature, so it goes by keyword too
+        out = call(layer, x, x0=x0, key_padding_mask=key_padding_mask, causal=causal,
+                   residual_scale=residual_scale)
+    else:
+        out = call(layer, x, x0, key_padding_mask, causal=causal, residual_scale=residual_scale)
+    if isinstance(out, tuple):
+        return out[0], out[1]
+    return out, None
+
+
+def _add(total: Tensor | None, aux: Tensor | None) -> Tensor | None:
+    if aux is None:
+        return total
+    return aux if total is None else total + aux
 
 
 class LayerGroup(nn.Module):
-    """Consecutive layers run as one segment (kept out of the model's state_dict)."""
+    """Consecutive layers run as one segment (kept out of the model's state_dict).
 
-    def __init__(self, blocks: list[Block]) -> None:
+    It calls its layers as the model would (``x0`` by keyword under
+    ``x0_keyword``) and, under ``aux_loss``, returns their summed aux with ``x``.
+    """
+
+    def __init__(self, blocks: list[Block], *, x0_keyword: bool = False) -> None:
         super().__init__()
         self.blocks = nn.ModuleList(blocks)
+        self.x0_keyword = x0_keyword
 
     def forward(
         self,
@@ -211,10 +270,14 @@ class LayerGroup(nn.Module):
         *,
         causal: bool = False,
         residual_scale: float = 1.0,
-    ) -> Tensor:
+    ) -> Tensor | tuple[Tensor, Tensor]:
+        aux_total: Tensor | None = None
         for block in self.blocks:
-            x = block(x, x0, key_padding_mask, causal=causal, residual_scale=residual_scale)
-        return x
+            x, aux = _run_layer(_plain_call, block, x, x0, key_padding_mask,
+                                x0_keyword=self.x0_keyword, causal=causal,
+                                residual_scale=residual_scale)
+            aux_total = _add(aux_total, aux)
+        return x if aux_total is None else (x, aux_total)
 
 
 #: The element-wise dropout sites, by config field, with the name a report gives each.
@@ -252,12 +315,20 @@ class TransformerConfig:
     tie_embeddings: bool = True
     bias: bool = True
     freeze_embeddings: bool = False  # then no layer input requires grad (as with adapters/LoRA)
+    aux_loss: bool = False  # each layer returns (x, an MoE-router z-loss); the loss adds them
+    layer_repeats: int = 1  # weight sharing: each segment called this many times per forward
+    x0_keyword: bool = False  # x0 reaches each layer by keyword (a grad-needing kwarg)
 
     def __post_init__(self) -> None:
-        for name in ("n_layer", "n_embd", "n_head", "ffn_mult", "vocab_size", "max_seq_len"):
+        for name in ("n_layer", "n_embd", "n_head", "ffn_mult", "vocab_size", "max_seq_len",
+                     "layer_repeats"):
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
                 raise InvalidArgument(f"{name}={value!r}: must be a whole number >= 1")
+        for name in ("aux_loss", "x0_keyword"):
+            value = getattr(self, name)
+            if not isinstance(value, bool):
+                raise InvalidArgument(f"{name}={value!r}: must be true or false")
         if self.n_embd % self.n_head:
             raise InvalidArgument(
                 f"n_embd={self.n_embd} is not divisible by n_head={self.n_head}; "
@@ -324,12 +395,15 @@ class Transformer(RoutedModel):
     def _group(self, blocks: list[Block], run: range) -> Segment:
         """Layers ``run`` as one segment, which forward then runs in place of its members."""
         members = blocks[run.start:run.stop]
-        group = LayerGroup(members)
+        group = LayerGroup(members, x0_keyword=self.config.x0_keyword)
         object.__setattr__(group, "router", self.router)
         self._groups.append(group)
         return Segment(f"blocks.{run.start}-{run.stop - 1}", group, tuple(members))
 
-    def forward(self, tokens: Tensor, key_padding_mask: Tensor | None = None) -> Tensor:
+    def forward(
+        self, tokens: Tensor, key_padding_mask: Tensor | None = None
+    ) -> Tensor | tuple[Tensor, Tensor]:
+        """The logits; under ``aux_loss``, ``(logits, the aux of every layer call summed)``."""
         B, T = tokens.shape
         if T > self.config.max_seq_len:
             raise InvalidArgument(
@@ -340,9 +414,12 @@ class Transformer(RoutedModel):
         x0 = self.embd_dropout(self.wte(tokens) + self.wpe(pos))  # (B, T, C)
         x = x0
         layers: Sequence[nn.Module] = self._groups if self._groups else list(self.blocks)
+        aux_total: Tensor | None = None
         for layer in layers:
-            x = self.router(
-                layer, x, x0, key_padding_mask, causal=True, residual_scale=self.residual_scale
-            )
+            for _ in range(self.config.layer_repeats):
+                x, aux = _run_layer(self.router, layer, x, x0, key_padding_mask,
+                                    x0_keyword=self.config.x0_keyword, causal=True,
+                                    residual_scale=self.residual_scale)
+                aux_total = _add(aux_total, aux)
         logits: Tensor = self.lm_head(self.norm_f(x))  # (B, T, vocab)
-        return logits
+        return logits if aux_total is None else (logits, aux_total)

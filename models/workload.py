@@ -47,13 +47,14 @@ class Workload:
     """What the harness needs: a model, one fixed batch, and how to score it.
 
     ``inputs`` are the positional arguments of ``model.forward``; float inputs
-    that require grad get their gradient observed.
+    that require grad get their gradient observed. ``loss_fn`` takes what the
+    model returns (a tensor, or a tuple whose first element is the output).
     """
 
     model: RoutedModel
     inputs: tuple[Tensor | None, ...]
     targets: Tensor
-    loss_fn: Callable[[Tensor, Tensor], Tensor]
+    loss_fn: Callable[[Any, Tensor], Tensor]
 
     def segments(self, granularity: Granularity) -> list[Segment]:
         return self.model.segments(granularity)
@@ -93,6 +94,12 @@ def _token_loss(logits: Tensor, targets: Tensor) -> Tensor:
     )
 
 
+def _token_and_aux_loss(outputs: tuple[Tensor, Tensor], targets: Tensor) -> Tensor:
+    """The token loss plus the model's aux loss (``aux_loss``), so both outputs get a gradient."""
+    logits, aux = outputs
+    return _token_loss(logits, targets) + aux.float()
+
+
 def build(
     model_config: ModelConfig,
     batch: BatchConfig,
@@ -117,7 +124,8 @@ def build(
     model.to(device)
     if isinstance(model_config, TransformerConfig):
         tokens, mask, targets = make_batch(model_config, batch, seed, device)
-        return Workload(model, (tokens, mask), targets, _token_loss)
+        loss_fn = _token_and_aux_loss if model_config.aux_loss else _token_loss
+        return Workload(model, (tokens, mask), targets, loss_fn)
     gen = torch.Generator().manual_seed(seed)
     features = torch.randn(batch.batch_size, model_config.width, generator=gen).to(device)
     labels = torch.randint(0, model_config.n_classes, (batch.batch_size,), generator=gen)

@@ -240,3 +240,130 @@ def test_the_package_exports_what_it_names_and_the_names_need_no_torch() -> None
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                           timeout=60, check=True)
     assert done.stdout.strip() == "False"
+
+
+# The knobs that make segments look like other real layers: an aux output (MoE router),
+# weight sharing (one segment called twice) and x0 by keyword.
+
+SEGMENT_KNOBS = [dict(aux_loss=True), dict(layer_repeats=2), dict(x0_keyword=True),
+                 dict(aux_loss=True, layer_repeats=2, x0_keyword=True)]
+
+
+@pytest.mark.parametrize("bad, message", [
+    (dict(layer_repeats=0), "layer_repeats=0: must be a whole number >= 1"),
+    (dict(layer_repeats=1.5), "layer_repeats=1.5: must be a whole number"),
+    (dict(aux_loss="yes"), "aux_loss='yes': must be true or false"),
+    (dict(x0_keyword=1), "x0_keyword=1: must be true or false"),
+])
+def test_bad_segment_knobs_name_the_value(bad: dict[str, Any], message: str) -> None:
+    with pytest.raises(InvalidArgument, match=message):
+        replace(CONFIG, **bad)
+
+
+def test_the_segment_knobs_default_off_and_old_json_loads() -> None:
+    data = CONFIG.to_dict()
+    assert {data.pop(k) for k in ("aux_loss", "layer_repeats", "x0_keyword")} == {False, 1}
+    assert TransformerConfig(**data) == CONFIG  # a case written before the knobs
+    assert build(CONFIG, BatchConfig(), 0).model.blocks[0].expert_router is None
+    on = replace(CONFIG, aux_loss=True, layer_repeats=2, x0_keyword=True)
+    assert TransformerConfig(**on.to_dict()) == on and not on.has_randomness
+
+
+@pytest.mark.parametrize("text", ["layer", "every:2", "group:2", "group:3", "attention", "mlp"])
+def test_the_aux_loss_is_a_second_output_every_router_learns_from(text: str) -> None:
+    workload = build(replace(CONFIG, aux_loss=True), BatchConfig(2, 8), 0)
+    segments = workload.segments(parse_granularity(text))
+    assert segments  # every granularity still builds
+    workload.model.router.install(segments, None)
+    outputs = workload.model(*workload.inputs)
+    assert isinstance(outputs, tuple) and len(outputs) == 2
+    logits, aux = outputs
+    assert logits.shape == (2, 8, CONFIG.vocab_size) and aux.dim() == 0 and aux.item() > 0
+    loss = workload.loss_fn(outputs, workload.targets)
+    token = torch.nn.functional.cross_entropy(
+        logits.view(-1, logits.size(-1)), workload.targets.view(-1), ignore_index=-100)
+    assert torch.allclose(loss, token + aux)
+    loss.backward()
+    for block in workload.model.blocks:
+        grad = block.expert_router.weight.grad
+        assert grad is not None and grad.abs().sum() > 0
+
+
+def test_a_group_returns_its_layers_summed_aux() -> None:
+    workload = build(replace(CONFIG, aux_loss=True), BatchConfig(2, 8), 0)
+    groups: list[Any] = []
+    segments = workload.segments(parse_granularity("group:2"))
+    for segment in segments:
+        segment.module.register_forward_hook(lambda m, a, out: groups.append(out))
+    workload.model.router.install(segments, None)
+    _, aux = workload.model(*workload.inputs)
+    assert len(groups) == 2 and all(isinstance(g, tuple) and len(g) == 2 for g in groups)
+    assert torch.allclose(aux, groups[0][1] + groups[1][1])
+
+
+@pytest.mark.parametrize("text", ["none", "layer", "group:2"])
+def test_layer_repeats_calls_one_segment_twice_per_forward(text: str) -> None:
+    workload = build(replace(CONFIG, layer_repeats=2), BatchConfig(2, 8), 0)
+    workload.model.router.install(workload.segments(parse_granularity(text)), None)
+    inputs: list[torch.Tensor] = []
+    workload.model.blocks[0].register_forward_pre_hook(lambda m, args: inputs.append(args[0]))
+    loss = workload.loss_fn(workload.model(*workload.inputs), workload.targets)
+    assert len(inputs) == 2 and not torch.equal(inputs[0], inputs[1])  # new input each time
+    once = build(CONFIG, BatchConfig(2, 8), 0)
+    assert loss.item() != once.loss_fn(once.model(*once.inputs), once.targets).item()
+
+
+@pytest.mark.parametrize("text", ["layer", "group:2"])
+def test_x0_reaches_every_segment_by_keyword(text: str) -> None:
+    workload = build(replace(CONFIG, x0_keyword=True), BatchConfig(2, 8), 0)
+    seen: list[tuple[tuple[Any, ...], dict[str, Any]]] = []
+    workload.model.router.install(workload.segments(parse_granularity(text)), None)
+    workload.model.router.on_call = lambda name, args, kwargs: seen.append((args, kwargs))
+    workload.model(*workload.inputs)
+    x0 = seen[0][1]["x0"]
+    assert len(seen) == len(workload.model.router._names) and x0.requires_grad
+    for args, kwargs in seen:
+        assert len(args) == 1 and kwargs["x0"] is x0  # x alone goes by position
+        assert kwargs["key_padding_mask"].dtype == torch.bool and kwargs["causal"] is True
+    assert seen[1][0][0] is not x0
+    plain = build(CONFIG, BatchConfig(2, 8), 0)  # the same function, only called otherwise
+    assert torch.equal(workload.model(*workload.inputs), plain.model(*plain.inputs))
+
+
+def _loss_and_grads(config: TransformerConfig, text: str, checkpointed: bool
+                    ) -> tuple[torch.Tensor, dict[str, torch.Tensor], list[Any]]:
+    workload = build(config, BatchConfig(2, 8), 0)
+    model = workload.model
+    segments = workload.segments(parse_granularity(text))
+    model.router.install(segments, None)
+    calls: list[Any] = []
+    model.router.on_call = lambda name, args, kwargs: calls.append((name, args, kwargs))
+    if checkpointed:
+        model.gradient_checkpointing_enable()
+        assert all(model.router.routes(s.module) for s in segments)
+    outputs = model(*workload.inputs)
+    loss = workload.loss_fn(outputs, workload.targets)
+    loss.backward()
+    grads = {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
+    return loss.detach(), grads, [outputs, *calls]
+
+
+@pytest.mark.parametrize("knobs", SEGMENT_KNOBS, ids=lambda k: ",".join(k))
+@pytest.mark.parametrize("text", ["layer", "group:2"])
+def test_torch_checkpoint_matches_full_storage_bitwise_with_each_knob(
+        knobs: dict[str, Any], text: str) -> None:
+    config = replace(CONFIG, **knobs)
+    plain_loss, plain_grads, _ = _loss_and_grads(config, text, checkpointed=False)
+    loss, grads, (outputs, *calls) = _loss_and_grads(config, text, checkpointed=True)
+    assert torch.equal(loss, plain_loss)
+    assert grads.keys() == plain_grads.keys() == {
+        n for n, p in build(config, BatchConfig(), 0).model.named_parameters()
+        if p.requires_grad}
+    assert all(torch.equal(grads[n], plain_grads[n]) for n in grads)
+    # The knob really shaped the segments that went through the checkpoint.
+    segments = 4 // (2 if text == "group:2" else 1)
+    assert len(calls) == segments * config.layer_repeats
+    assert isinstance(outputs, tuple) == config.aux_loss
+    assert all(("x0" in kwargs) == config.x0_keyword for _, _, kwargs in calls)
+    if config.aux_loss:
+        assert all(f"blocks.{i}.expert_router.weight" in grads for i in range(4))
