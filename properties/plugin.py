@@ -293,13 +293,16 @@ class _Gatherer:
         self.collected = False
         self.is_worker = hasattr(config, "workerinput")
         self.written_at = -float("inf")
+        self.write_cost = 0.0  # seconds the last report write took
         if not self.is_worker:
             runtime.RUN.on_record.append(self.case_finished)
 
     def case_finished(self, record: dict[str, Any]) -> None:
         """Keep a case as soon as it is verified: a kill or an interrupt keeps it too."""
         self.records.setdefault(record["reproduce"], record)
-        if self._writes_report() and time.monotonic() - self.written_at >= self.WRITE_EVERY_S:
+        # Never more than a tenth of the run spent rewriting a report that grows with it.
+        wait = max(self.WRITE_EVERY_S, 10 * self.write_cost)
+        if self._writes_report() and time.monotonic() - self.written_at >= wait:
             self.write_report(complete=False)
 
     def pytest_sessionstart(self, session: pytest.Session) -> None:
@@ -369,6 +372,7 @@ class _Gatherer:
         from gradequiv.harness.reports.files import REPORT_FILE, write_json_atomic
         from gradequiv.harness.reports.report import assemble_check_report
 
+        started = time.monotonic()
         run = runtime.RUN
         impl = run.used
         if impl is None:
@@ -380,3 +384,4 @@ class _Gatherer:
         assert run.options.report_dir is not None
         write_json_atomic(run.options.report_dir / REPORT_FILE, report)
         self.written_at = time.monotonic()
+        self.write_cost = self.written_at - started

@@ -4,7 +4,7 @@ The pytest plugin sets :data:`RUN` in ``pytest_configure``, before the suite
 module is imported, so the suite's Hypothesis settings and seed come from the
 run's :class:`~gradequiv.harness.options.CheckOptions`. The implementation and
 the device are resolved once per run, on first use. Verdicts are cached per
-process by case: the six property tests draw the same cases from the same
+process by case: the property tests draw the same cases from the same
 seed, so each case runs down its paths once, whichever property asks first.
 """
 
@@ -97,6 +97,15 @@ class SuiteState:
             self._implementation = resolve(self.options.impl, adapter=self.options.adapter,
                                            kwargs=self.options.kwargs)
         return self._implementation
+
+    def grad_modes(self) -> tuple[str, ...]:
+        """The grad modes to draw: those the named implementation supports, or every one
+        where none is named (a conftest hands the suite its own)."""
+        if self.options.impl is None:
+            from gradequiv.models.kinds import GRAD_MODES
+
+            return GRAD_MODES
+        return self.implementation().grad_modes
 
     def device(self) -> Any:
         """The run's torch device, resolved on first use."""

@@ -14,7 +14,7 @@ from typing import Any
 
 from hypothesis import strategies as st
 
-from gradequiv.harness.engine.case import Case
+from gradequiv.harness.engine.case import DTYPES, Case
 from gradequiv.harness.engine.spread import compile_cases
 from gradequiv.harness.errors import InvalidArgument
 from gradequiv.models import (
@@ -28,7 +28,7 @@ from gradequiv.models import (
     TransformerConfig,
     parse_granularity,
 )
-from gradequiv.models.kinds import BATCHNORM, TRANSFORMER
+from gradequiv.models.kinds import BATCHNORM, GRAD_MODES, TRANSFORMER
 
 __all__ = [
     "DROPOUT_SITES",
@@ -40,6 +40,7 @@ __all__ = [
     "dropout_regimes",
     "dtype_regimes",
     "external_cases",
+    "grad_modes",
     "granularities",
     "seeds",
     "transformer_configs",
@@ -97,8 +98,10 @@ def transformer_configs(
     Width is ``n_head * head_dim`` (heads 1, 2, 4; head size 4 to 32) up to
     ``max_width``. Every knob of the model is drawn: attention path, norm and
     its placement, activation, tied embeddings, bias, dropout
-    (``dropout_regimes()`` by default). Shrinks towards one layer, one head of
-    width 4, SDPA, pre-LayerNorm, GELU.
+    (``dropout_regimes()`` by default), and the shapes real layers have: an
+    auxiliary loss beside the hidden state (a tuple out of each layer), each layer
+    applied twice (weight sharing), ``x0`` by keyword. Shrinks towards one layer,
+    one head of width 4, SDPA, pre-LayerNorm, GELU, one tensor out, each layer once.
     """
     _check_range("layers", min_layers, max_layers)
     if max_width < 4:
@@ -121,19 +124,38 @@ def transformer_configs(
         activation=draw(st.sampled_from(["gelu", "relu", "swiglu", "rrelu"])),
         tie_embeddings=draw(st.booleans().map(lambda b: not b)),
         bias=draw(st.booleans().map(lambda b: not b)),
+        aux_loss=draw(st.booleans()),
+        layer_repeats=draw(st.sampled_from([1, 2])),
+        x0_keyword=draw(st.booleans()),
         **rates,
     )
 
 
-def dtype_regimes(*, device: str = "cpu") -> st.SearchStrategy[str]:
-    """Return a strategy for precision regimes: fp32 and bf16 autocast; fp16 too on CUDA.
+#: The one large model a case may be drawn at: segment inputs of 4 x 128 x 256 = 128K
+#: elements, above the 64K where real implementations switch to other paths (compressing
+#: or partitioning big boundaries), in one layer so that it stays cheap.
+LARGE = TransformerConfig(n_layer=1, n_embd=256, n_head=4, max_seq_len=128)
+LARGE_BATCH = BatchConfig(batch_size=4, seq_len=128)
 
-    Shrinks towards fp32.
+
+def dtype_regimes(*, device: str = "cpu") -> st.SearchStrategy[str]:
+    """Return a strategy for precision regimes: fp32, bf16 and fp16 autocast (a recompute
+    must re-enter the caller's autocast dtype, not the device's default), and the model
+    itself in bf16. Every one runs on either device. Shrinks towards fp32.
     """
     if device not in ("cpu", "cuda"):
         raise InvalidArgument(f"device={device!r}: must be 'cpu' or 'cuda'")
-    regimes = ["fp32", "bf16-autocast"] + (["fp16-autocast"] if device == "cuda" else [])
-    return st.sampled_from(regimes)
+    return st.sampled_from(DTYPES)
+
+
+def grad_modes(modes: tuple[str, ...] = GRAD_MODES) -> st.SearchStrategy[str]:
+    """Return a strategy for how each step asks for gradients, among ``modes`` (an
+    implementation's own: ``Implementation.grad_modes``). Shrinks towards
+    ``loss.backward()``."""
+    unknown = set(modes) - set(GRAD_MODES)
+    if not modes or unknown:
+        raise InvalidArgument(f"grad modes {modes!r}: pick one or more of {', '.join(GRAD_MODES)}")
+    return st.sampled_from([m for m in GRAD_MODES if m in modes])
 
 
 def granularities(*, n_layers: int, include_none: bool = False) -> st.SearchStrategy[Granularity]:
@@ -173,39 +195,52 @@ def seeds() -> st.SearchStrategy[int]:
 
 
 @st.composite
-def batchnorm_cases(draw: st.DrawFn, *, device: str = "cpu") -> Case:
+def batchnorm_cases(draw: st.DrawFn, *, device: str = "cpu",
+                    modes: tuple[str, ...] = GRAD_MODES) -> Case:
     """Return a strategy for cases of the BatchNorm model (the buffers property's model).
 
-    Shrinks towards one layer, width 8, no dropout, two samples, fp32.
+    Accumulation is drawn only with 4 samples or more (2 per micro-batch, as BatchNorm
+    needs). Shrinks towards one layer, width 8, no dropout, two samples, fp32.
     """
     n_layer = draw(st.integers(1, 3))
     model = BatchNormConfig(n_layer=n_layer, width=draw(st.sampled_from([8, 16, 32])),
                             dropout=draw(st.sampled_from([0.0, 0.1, 0.3])))
     granularity = draw(st.sampled_from(
         ["layer"] + [f"every:{k}" for k in range(2, n_layer + 1)]).map(parse_granularity))
-    return Case(model=model, batch=BatchConfig(batch_size=draw(st.integers(2, 8)), seq_len=1),
+    batch_size = draw(st.integers(2, 8))
+    mode = draw(grad_modes(modes))
+    return Case(model=model, batch=BatchConfig(batch_size=batch_size, seq_len=1),
                 granularity=granularity, dtype=draw(dtype_regimes(device=device)),
-                seed=draw(seeds()))
+                seed=draw(seeds()),
+                grad_mode=mode if mode != "accumulate" or batch_size >= 4 else "backward",
+                inference=draw(st.booleans()))
 
 
-def external_cases(factory: str, *, device: str = "cpu") -> st.SearchStrategy[Case]:
+def external_cases(factory: str, *, device: str = "cpu",
+                   modes: tuple[str, ...] = GRAD_MODES) -> st.SearchStrategy[Case]:
     """Return a strategy for cases of a user's model (``--model``): the factory fixes the
     model and batch; drawn are the granularity (every segment, or every 2nd), the precision
-    regime and the seed. Shrinks towards every segment, fp32, seed 0.
+    regime, the seed, how gradients are asked for and the forwards before training.
+    Shrinks towards every segment, fp32, seed 0, ``loss.backward()``.
     """
     model = ExternalConfig(factory)
     return st.builds(Case, model=st.just(model),
                      granularity=st.sampled_from(["layer", "every:2"]).map(parse_granularity),
-                     dtype=dtype_regimes(device=device), seed=seeds())
+                     dtype=dtype_regimes(device=device), seed=seeds(),
+                     grad_mode=grad_modes(modes), inference=st.booleans())
 
 
 def compiled_cases(*, device: str = "cpu") -> st.SearchStrategy[Case]:
     """Return a strategy for cases of compiled implementations: a model of the compile
     spread (whose graphs are then compiled already), with a drawn precision and seed.
-    Shrinks towards the model without dropout, fp32, seed 0.
+    The precisions are fp32 and bf16 autocast, the two the compiled floor is calibrated
+    for. Shrinks towards the model without dropout, fp32, seed 0.
     """
+    if device not in ("cpu", "cuda"):
+        raise InvalidArgument(f"device={device!r}: must be 'cpu' or 'cuda'")
     return st.builds(lambda case, dtype, seed: replace(case, dtype=dtype, seed=seed, name=""),
-                     st.sampled_from(compile_cases()), dtype_regimes(device=device), seeds())
+                     st.sampled_from(compile_cases()),
+                     st.sampled_from(["fp32", "bf16-autocast"]), seeds())
 
 
 @st.composite
@@ -218,15 +253,20 @@ def cases(
     max_layers: int = 4,
     max_width: int = 128,
     max_seq_len: int = 32,
+    modes: tuple[str, ...] = GRAD_MODES,
     **config_kwargs: Any,
 ) -> Case:
-    """Return a strategy for whole cases: model, batch, granularity, dtype, seed.
+    """Return a strategy for whole cases: model, batch, granularity, dtype, seed, how
+    gradients are asked for (among ``modes``), and whether an eval and a no_grad forward
+    come before training.
 
     ``models`` picks the reference models drawn from (``MODELS``); the
     default leaves out the BatchNorm model, whose running statistics torch's
-    own checkpoint updates twice. The largest transformer cases (4 layers x
-    128 wide x 32 tokens x 4 sequences) give segment inputs of 16k elements.
-    Shrinks towards the cheapest case of the first model.
+    own checkpoint updates twice. Transformer cases are drawn up to 4 layers x
+    128 wide x 32 tokens x 4 sequences (segment inputs of 16k elements), and one
+    in eight is the one-layer ``LARGE`` model instead (128k elements). Shrinks
+    towards the cheapest case of the first model; a fault that only shows above a
+    size keeps its case large, as the shrinker keeps only cases that still fail.
     """
     unknown = set(models) - set(MODELS)
     if not models or unknown:
@@ -235,13 +275,26 @@ def cases(
         )
     kind = draw(st.sampled_from(models))
     if kind == BATCHNORM:
-        return draw(batchnorm_cases(device=device))
+        return draw(batchnorm_cases(device=device, modes=modes))
     model = draw(transformer_configs(max_layers=max_layers, max_width=max_width,
                                      **config_kwargs))
+    batch = draw(batch_configs(max_seq_len=max_seq_len))
+    if draw(st.integers(0, 7)) == 7:  # the large size: this model's knobs, the large shape
+        model = replace(model, n_layer=LARGE.n_layer, n_embd=LARGE.n_embd,
+                        n_head=LARGE.n_head, max_seq_len=LARGE.max_seq_len)
+        batch = replace(LARGE_BATCH, padding=batch.padding)
+    dtype = draw(dtype_regimes(device=device))
+    if dtype != "fp32":
+        # A weight used twice under a low precision: full storage sums both uses' gradients
+        # in that precision on autocast's one cached cast, a recompute that casts per use
+        # sums them in fp32 (or in another order). Both are right; they differ by rounding.
+        model = replace(model, layer_repeats=1)
     return Case(
         model=model,
-        batch=draw(batch_configs(max_seq_len=max_seq_len)),
+        batch=batch,
         granularity=draw(granularities(n_layers=model.n_layer)),
-        dtype=draw(dtype_regimes(device=device)),
+        dtype=dtype,
         seed=draw(seeds()),
+        grad_mode=draw(grad_modes(modes)),
+        inference=draw(st.booleans()),
     )

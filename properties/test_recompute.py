@@ -1,7 +1,7 @@
 """The property suite: one test per property, over cases Hypothesis draws.
 
 Run it with ``pytest --pyargs gradequiv.properties --gradequiv-impl SPEC``
-(``gradequiv check`` does exactly that). All six tests draw the same cases
+(``gradequiv check`` does exactly that). All seven tests draw the same cases
 from the same seed, and verdicts are cached per case, so each case runs down
 its paths once; pytest-xdist may still spread the tests over workers.
 ``test_named_case`` runs the fixed spread every time, whatever is drawn.
@@ -16,9 +16,17 @@ import pytest
 from hypothesis import HealthCheck, Phase, given, seed, settings
 from hypothesis import strategies as st
 
-from gradequiv.harness import PROPERTIES, Case, Implementation, default_cases, find_case
+from gradequiv.harness import (
+    PROPERTIES,
+    Case,
+    Implementation,
+    default_cases,
+    extra_cases,
+    find_case,
+)
 from gradequiv.harness.engine.spread import compile_cases, load_case
 from gradequiv.harness.implementations.compiled import is_compile_spec
+from gradequiv.models.kinds import BATCHNORM
 from gradequiv.properties import runtime
 from gradequiv.properties.assertions import assert_property
 from gradequiv.properties.strategies import cases, compiled_cases, external_cases
@@ -30,11 +38,12 @@ def _drawn_cases() -> st.SearchStrategy[Case]:
     if OPTIONS.case is not None:
         return st.just(load_case(OPTIONS.case))
     device = runtime.RUN.device().type
-    if OPTIONS.model is not None:
-        return external_cases(OPTIONS.model, device=device)
     if is_compile_spec(OPTIONS.impl):
         return compiled_cases(device=device)
-    return cases(device=device, models=OPTIONS.models)
+    modes = runtime.RUN.grad_modes()  # what it declares it does not do is not drawn
+    if OPTIONS.model is not None:
+        return external_cases(OPTIONS.model, device=device, modes=modes)
+    return cases(device=device, models=OPTIONS.models, modes=modes)
 
 
 def _suite(test: Callable[..., None]) -> Callable[..., None]:
@@ -50,7 +59,9 @@ def _suite(test: Callable[..., None]) -> Callable[..., None]:
         database=None if OPTIONS.profile == "ci" else default.database,
         derandomize=False,  # the run's seed decides the draws (see the header line)
         print_blob=True,
-        phases=[p for p in Phase if shrink or p not in (Phase.shrink, Phase.explain)],
+        # No explain phase: it re-runs variations of each minimal failure to say which
+        # arguments did not matter, most of a failing run's time for a line few read.
+        phases=[p for p in Phase if p != Phase.explain and (shrink or p != Phase.shrink)],
         suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture,
                                HealthCheck.data_too_large],
     )
@@ -83,15 +94,27 @@ def test_trajectory(recompute_impl: Implementation, case: Case, request: Any) ->
 
 
 @_suite
+def test_inference(recompute_impl: Implementation, case: Case, request: Any) -> None:
+    assert_property("inference", recompute_impl, case, request.node)
+
+
+@_suite
 def test_recompute(recompute_impl: Implementation, case: Case, request: Any) -> None:
     assert_property("recompute", recompute_impl, case, request.node)
 
 
 def _spread() -> list[Case]:
-    """The fixed spread: ours (the compile spread for compiled implementations), or for a
-    user's model every segment in each precision."""
+    """The fixed spread: ours (the compile spread for compiled implementations; with the
+    BatchNorm model drawn too, its named cases), or for a user's model every segment in
+    each precision."""
     if OPTIONS.model is None:
-        return compile_cases() if is_compile_spec(OPTIONS.impl) else default_cases()
+        if is_compile_spec(OPTIONS.impl):
+            return compile_cases()
+        modes = runtime.RUN.grad_modes()
+        named = default_cases()
+        if BATCHNORM in OPTIONS.models:
+            named += [c for c in extra_cases() if c.model_kind == BATCHNORM]
+        return [c for c in named if c.grad_mode in modes]
     from gradequiv.models import ExternalConfig
 
     model = ExternalConfig(OPTIONS.model)
@@ -103,7 +126,7 @@ def _named(name: str) -> Case:
     return next(c for c in _spread() if c.name == name) if OPTIONS.model else find_case(name)
 
 
-if OPTIONS.case is None:  # replaying one case runs the six properties on it alone
+if OPTIONS.case is None:  # replaying one case runs the seven properties on it alone
 
     @pytest.mark.parametrize(
         "name", [c.name for i, c in enumerate(_spread()) if OPTIONS.in_shard(i)])

@@ -10,9 +10,12 @@ from typing import Any
 
 import pytest
 
+from gradequiv.harness import PROPERTIES, default_cases
 from gradequiv.harness.cli import main
 
 FAST = ["--examples", "2"]
+#: property tests and named cases: what one check run's report lists as tests
+SUITE_TESTS = len(PROPERTIES) + len(default_cases())
 ONE = ["--case", "1L-layer-dropout"]
 
 
@@ -35,7 +38,7 @@ def test_torch_passes_with_exit_0_and_a_pass_report(tmp_path: Path,
     assert report["complete"] is True and report["failure"] is None
     summary = report["summary"]
     assert summary["run"] == summary["passed"] >= 13 and summary["failed"] == 0
-    assert set(report["tests"].values()) == {"passed"} and len(report["tests"]) == 6 + 13
+    assert set(report["tests"].values()) == {"passed"} and len(report["tests"]) == SUITE_TESTS
     assert report["conditions"]["torch"] and report["conditions"]["threads"] >= 1
     checks = report["cases"][1]["properties"][1]["checks"]
     assert checks and all(c["rel_error"] == 0.0 for c in checks)
@@ -89,7 +92,7 @@ def test_an_implementation_that_raises_fails_every_case_and_the_run_goes_on(
                        "--report-dir", str(tmp_path))
     assert code == 1
     report = read_report(tmp_path)
-    assert len(report["tests"]) == 6 + 13 and report["complete"] is True
+    assert len(report["tests"]) == SUITE_TESTS and report["complete"] is True
     # The control case selects no segment, so the implementation is never called.
     verdicts = {c["name"]: c["verdict"] for c in report["cases"] if c["name"]}
     assert verdicts.pop("control-none") == "pass" and set(verdicts.values()) == {"fail"}
@@ -136,8 +139,8 @@ def test_an_interrupted_run_leaves_a_valid_report_marked_incomplete(
     (["--impl", "torch", "--case", '{"granularity": "every:x"}'], "needs a whole number"),
     (["--impl", "torch", "--case", "{not json"], "is not valid JSON"),
     # cases that build but cannot run here: refused before the first case, not failed
-    (["--impl", "torch", "--case", '{"dtype": "fp16-autocast"}', "--device", "cpu"],
-     "dtype='fp16-autocast' needs CUDA"),
+    (["--impl", "torch", "--case", '{"model_kind": "batchnorm", "grad_mode": "accumulate", '
+      '"batch": {"batch_size": 2, "seq_len": 1}}'], "2 samples in each of the 2 micro-batches"),
     (["--impl", "torch", "--case", '{"model": {"max_seq_len": 8}, "batch": {"seq_len": 16}}'],
      "seq_len=16 exceeds max_seq_len=8"),
     (["--impl", "torch", "--case", '{"model_kind": "batchnorm", "granularity": "attention"}'],

@@ -9,8 +9,11 @@ from typing import Any
 
 import pytest
 
+from gradequiv.harness import PROPERTIES, default_cases
 from gradequiv.harness.cli import main
 
+#: property tests and named cases: the tests of one run over the whole spread
+SUITE_TESTS = len(PROPERTIES) + len(default_cases())
 SUITE = ["--pyargs", "gradequiv.properties", "-p", "no:cacheprovider"]
 ONE_CASE = "--gradequiv-case=1L-layer-dropout"
 
@@ -26,7 +29,7 @@ def report_of(directory: Path) -> dict[str, Any]:
 def test_the_header_says_how_to_reproduce_the_run(pytester: pytest.Pytester) -> None:
     result = run(pytester, "--gradequiv-impl=torch", "--gradequiv-seed=7", ONE_CASE)
     result.stdout.fnmatch_lines(["gradequiv: Using --gradequiv-seed=7 (profile *impl torch)"])
-    result.assert_outcomes(passed=6)
+    result.assert_outcomes(passed=len(PROPERTIES))
 
 
 def test_ini_keys_configure_the_run(pytester: pytest.Pytester) -> None:
@@ -34,7 +37,7 @@ def test_ini_keys_configure_the_run(pytester: pytest.Pytester) -> None:
                      "gradequiv_case = 1L-layer-dropout\n")
     result = run(pytester)
     result.stdout.fnmatch_lines(["*Using --gradequiv-seed=21*impl torch*"])
-    result.assert_outcomes(passed=6)
+    result.assert_outcomes(passed=len(PROPERTIES))
 
 
 def test_environment_beats_ini_and_the_command_line_beats_both(
@@ -51,7 +54,7 @@ def test_impl_kwargs_from_the_environment_reach_the_implementation(
         pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("GRADEQUIV_IMPL_KWARG", "preserve_rng_state=false")
     result = run(pytester, "--gradequiv-impl=torch", ONE_CASE)
-    result.assert_outcomes(passed=3, failed=3)  # outputs, buffers, recompute still hold
+    result.assert_outcomes(passed=4, failed=3)  # outputs, buffers, inference, recompute hold
 
 
 def test_a_conftest_can_override_the_implementation_fixture(pytester: pytest.Pytester) -> None:
@@ -63,14 +66,14 @@ def test_a_conftest_can_override_the_implementation_fixture(pytester: pytest.Pyt
         "    return Implementation('mine', wrong_impls.no_op)\n"
     )
     result = run(pytester, ONE_CASE)
-    result.assert_outcomes(passed=5, failed=1)
-    result.stdout.fnmatch_lines(["test_recompute: *", "*ran 0 time(s) in backward*"])
+    result.assert_outcomes(passed=len(PROPERTIES) - 1, failed=1)
+    result.stdout.fnmatch_lines(["test_recompute: *", "*did not run again in backward*"])
 
 
 def test_without_an_implementation_every_test_says_how_to_give_one(
         pytester: pytest.Pytester) -> None:
     result = run(pytester, ONE_CASE)
-    result.assert_outcomes(errors=6)
+    result.assert_outcomes(errors=len(PROPERTIES))
     result.stdout.fnmatch_lines(["*no implementation to check: pass --gradequiv-impl SPEC*"])
 
 
@@ -92,13 +95,13 @@ def test_the_report_is_written_with_every_case_and_the_regimes(
         pytester: pytest.Pytester, tmp_path: Path) -> None:
     result = run(pytester, "--gradequiv-impl=torch", "--gradequiv-examples=3",
                  "--gradequiv-profile=ci", f"--gradequiv-report-dir={tmp_path}")
-    result.assert_outcomes(passed=6 + 13)
+    result.assert_outcomes(passed=SUITE_TESTS)
     report = report_of(tmp_path)
     assert report["verdict"] == "pass" and report["complete"] is True
-    assert len(report["cases"]) == 3 + 13  # the six tests drew the same three cases
+    assert len(report["cases"]) == 3 + len(default_cases())  # the tests drew the same three
     assert report["conditions"]["profile"] == "ci"
     regimes = report["statistics"]["cases_per_regime"]
-    assert sum(v for k, v in regimes.items() if k.startswith("dtype")) == 16
+    assert sum(v for k, v in regimes.items() if k.startswith("dtype")) == 3 + len(default_cases())
 
 
 def test_a_broken_implementation_shrinks_to_one_layer_and_its_command_fails_again(
@@ -109,8 +112,9 @@ def test_a_broken_implementation_shrinks_to_one_layer_and_its_command_fails_agai
     result.assert_outcomes(failed=1)
     failure = report_of(tmp_path / "suite")["failure"]
     minimal = failure["minimal_case"]
-    assert minimal["model"]["n_layer"] == 1 and minimal["model"]["n_head"] == 1
-    assert minimal["batch"] == {"batch_size": 1, "seq_len": 1, "padding": False}
+    assert minimal["model"]["n_layer"] == 1 and minimal["model"]["n_embd"] <= 8
+    assert minimal["batch"]["batch_size"] * minimal["batch"]["seq_len"] <= 4
+    assert minimal["grad_mode"] == "backward" and minimal["inference"] is False
     assert failure["property"] == "gradients" and failure["flaky"] is False
     args = shlex.split(failure["reproduce"])
     assert args[:2] == ["gradequiv", "check"]
@@ -124,9 +128,9 @@ def test_the_suite_spreads_over_xdist_workers(pytester: pytest.Pytester, tmp_pat
     result = pytester.runpytest_subprocess(
         *SUITE, "-n", "2", "--gradequiv-impl=torch", "--gradequiv-examples=2",
         "--gradequiv-profile=ci", f"--gradequiv-report-dir={tmp_path}")
-    result.assert_outcomes(passed=6 + 13)
+    result.assert_outcomes(passed=SUITE_TESTS)
     report = report_of(tmp_path)
-    assert report["verdict"] == "pass" and len(report["tests"]) == 6 + 13
+    assert report["verdict"] == "pass" and len(report["tests"]) == SUITE_TESTS
     assert len(report["cases"]) >= 13
 
 

@@ -87,7 +87,6 @@ def test_the_command_writes_json_markdown_and_a_png(tmp_path: Path,
     (["--granularity", "layers"], "granularity='layers' is not one of"),
     (["--granularity", ","], "names none"),
     (["--heads", "3"], "not divisible by n_head=3"),
-    (["--dtype", "fp16-autocast", "--device", "cpu"], "needs CUDA"),
 ])
 def test_bad_profile_options_are_exit_2(args: list[str], message: str,
                                         capsys: pytest.CaptureFixture[str]) -> None:

@@ -18,6 +18,7 @@ from typing import Any
 
 import pytest
 
+from gradequiv.harness import PROPERTIES
 from gradequiv.harness.cli import main
 from gradequiv.harness.commands.mutants import Outcome, score, write
 from gradequiv.harness.reports.bundle import load_bundle, report_schema
@@ -83,18 +84,18 @@ def test_junit_has_one_testcase_per_property_and_family_with_the_minimal_case(
     main(["report", str(reports["fail"]), "--format", "junit"])
     suite = ET.parse(reports["fail"] / "junit.xml").getroot()
     names = [t.get("name") for t in suite.iter("testcase")]
-    assert len(names) == len(set(names)) == 6  # one family: transformer, fp32, group
+    assert len(names) == len(set(names)) == len(PROPERTIES)  # one family: transformer, fp32, group
     failed = {t.get("name"): t.find("failure") for t in suite.iter("testcase")
               if t.find("failure") is not None}
     assert set(failed) == {"gradients [transformer, fp32, group]",
                            "rng [transformer, fp32, group]",
                            "trajectory [transformer, fp32, group]"}
-    assert suite.get("failures") == "3" and suite.get("tests") == "6"
+    assert suite.get("failures") == "3" and suite.get("tests") == str(len(PROPERTIES))
     text = failed["gradients [transformer, fp32, group]"].text or ""
     assert '"granularity": "group:2"' in text and "reproduce: gradequiv check" in text
     main(["report", str(reports["pass"]), "--format", "junit"])
     good = ET.parse(reports["pass"] / "junit.xml").getroot()
-    assert good.get("failures") == "0" and int(good.get("tests") or 0) >= 6
+    assert good.get("failures") == "0" and int(good.get("tests") or 0) >= len(PROPERTIES)
 
 
 def test_html_is_self_contained_and_its_images_decode(reports: dict[str, Path]) -> None:
@@ -183,12 +184,12 @@ MUTANTS_MD = """\
 **Mutation score 1/2 (50%); correct implementations FLAGGED: fail \
 (incomplete: the run stopped early)**
 
-| role | implementation | result | caught by | cases (mutants: until caught) | seconds |
-|---|---|---|---|---|---|
-| correct | torch | flagged | test_gradients | 3 | 1.2 |
-| mutant | stale-recompute | caught | test_rng | 2 | 0.5 |
-| mutant | lost-rng | survived | - | 20 | 9.0 |
-| mutant | cuda-only | skipped | needs CUDA | 0 | 0.0 |
+| role | implementation | result | caught by | cases (mutants: until caught) | seconds | source |
+|---|---|---|---|---|---|---|
+| correct | torch | flagged | test_gradients | 3 | 1.2 | - |
+| mutant | stale-recompute | caught | test_rng | 2 | 0.5 | - |
+| mutant | lost-rng | survived | - | 20 | 9.0 | - |
+| mutant | cuda-only | skipped | needs CUDA | 0 | 0.0 | - |
 """
 
 

@@ -82,7 +82,10 @@ def no_op(fn: Any, *args: Any, **kwargs: Any) -> Any:
 
 
 def raises_in_backward(fn: Any, *args: Any, **kwargs: Any) -> Any:
-    return _RaiseInBackward.apply(_checkpoint(fn, *args, **kwargs))
+    out = _checkpoint(fn, *args, **kwargs)
+    if isinstance(out, tuple):  # a layer with an auxiliary loss: its hidden state raises
+        return (_RaiseInBackward.apply(out[0]), *out[1:])
+    return _RaiseInBackward.apply(out)
 
 
 def returns_tuple(fn: Any, *args: Any, **kwargs: Any) -> Any:

@@ -24,11 +24,13 @@ from gradequiv.models import (
     TransformerConfig,
     parse_granularity,
 )
-from gradequiv.models.kinds import BATCHNORM, EXTERNAL, MODEL_KINDS, TRANSFORMER
+from gradequiv.models.kinds import BATCHNORM, EXTERNAL, GRAD_MODES, MODEL_KINDS, TRANSFORMER
 
-#: Precision regimes. Autocast ones keep fp32 weights and fp32 gradients.
-DTYPES = ("fp32", "bf16-autocast", "fp16-autocast")
-CUDA_ONLY_DTYPES = ("fp16-autocast",)
+#: Precision regimes. Autocast ones keep fp32 weights and fp32 gradients; ``bf16-model``
+#: casts the model itself (weights, gradients and float inputs in bfloat16, no autocast).
+DTYPES = ("fp32", "bf16-autocast", "fp16-autocast", "bf16-model")
+#: The dtype of the weights in each regime that casts the model.
+MODEL_DTYPES = {"bf16-model": torch.bfloat16}
 
 _ConfigType = type[TransformerConfig] | type[BatchNormConfig] | type[ExternalConfig]
 #: The config class of each model kind (``model_kind`` in a case's JSON).
@@ -37,6 +39,11 @@ _CONFIGS: dict[str, _ConfigType] = {
     BATCHNORM: BatchNormConfig,
     EXTERNAL: ExternalConfig,
 }
+
+
+#: Words for ``describe``: each grad mode but the plain one, each shape knob of the model.
+_GRAD_MODE_WORDS = {"autograd-grad": "torch.autograd.grad", "accumulate": "2 micro-batches"}
+_SHAPE_KNOBS = {"aux_loss": "aux loss", "x0_keyword": "x0 by keyword"}
 
 
 @dataclass(frozen=True)
@@ -48,6 +55,8 @@ class Case:
     seed: int = 0
     steps: int = 2  # optimizer steps; the trajectory property needs at least two
     name: str = ""
+    grad_mode: str = "backward"  # how each step asks for gradients: GRAD_MODES
+    inference: bool = False  # an eval and a no_grad forward before training (``inference``)
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
@@ -61,6 +70,18 @@ class Case:
             )
         if not isinstance(self.seed, int) or self.seed < 0:
             raise InvalidArgument(f"seed={self.seed!r}: must be a whole number >= 0")
+        if self.grad_mode not in GRAD_MODES:
+            raise InvalidArgument(
+                f"grad_mode={self.grad_mode!r} is not one of {', '.join(GRAD_MODES)}"
+            )
+        if not isinstance(self.inference, bool):
+            raise InvalidArgument(f"inference={self.inference!r}: must be true or false")
+        if (self.grad_mode == "accumulate" and isinstance(self.model, BatchNormConfig)
+                and self.batch.batch_size < 4):
+            raise InvalidArgument(
+                f"batch_size={self.batch.batch_size} with grad_mode='accumulate': BatchNorm "
+                f"needs 2 samples in each of the 2 micro-batches; use batch_size >= 4"
+            )
 
     @property
     def model_kind(self) -> str:
@@ -78,9 +99,26 @@ class Case:
             size = f"batchnorm {m.n_layer}L x {m.width}w"
             sites = [f"dropout {m.dropout:g}"] if m.dropout > 0 else []
         else:
-            return f"model {m.factory}, {self.granularity}, {self.dtype}, seed {self.seed}"
+            return (f"model {m.factory}, {self.granularity}, {self.dtype}{self._training()}, "
+                    f"seed {self.seed}")
         rand = f"random: {', '.join(sites)}" if sites else "no random ops"
-        return f"{size}, {self.granularity}, {self.dtype}, {rand}, seed {self.seed}"
+        if isinstance(m, TransformerConfig):
+            size += "".join(f", {label}" for knob, label in _SHAPE_KNOBS.items()
+                            if getattr(m, knob, False))
+            size += f", each layer x{m.layer_repeats}" if getattr(m, "layer_repeats", 1) > 1 else ""
+        return (f"{size}, {self.granularity}, {self.dtype}{self._training()}, {rand}, "
+                f"seed {self.seed}")
+
+    def _training(self) -> str:
+        """How the steps differ from one ``loss.backward()`` each, for ``describe``."""
+        parts = [] if self.grad_mode == "backward" else [_GRAD_MODE_WORDS[self.grad_mode]]
+        parts += ["eval and no_grad forwards first"] if self.inference else []
+        return "".join(f", {p}" for p in parts)
+
+    @property
+    def model_dtype(self) -> torch.dtype | None:
+        """The dtype the model is cast to (``bf16-model``), or None: left as built."""
+        return MODEL_DTYPES.get(self.dtype)
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -92,6 +130,8 @@ class Case:
             "dtype": self.dtype,
             "seed": self.seed,
             "steps": self.steps,
+            "grad_mode": self.grad_mode,
+            "inference": self.inference,
         }
 
     def to_json(self) -> str:
@@ -115,7 +155,7 @@ class Case:
         if unknown:
             raise InvalidArgument(
                 f"case keys {sorted(unknown)} are not known; known keys: "
-                f"model_kind, model, batch, granularity, dtype, seed, steps, name"
+                f"{', '.join(['model_kind'] + [f.name for f in fields(cls)])}"
             )
         return cls(model=model, batch=batch, granularity=granularity, **data)
 
@@ -131,7 +171,7 @@ class Case:
 
     def autocast(self, device: torch.device) -> contextlib.AbstractContextManager[Any]:
         """The precision regime as a context for forward and loss (backward stays outside)."""
-        if self.dtype == "fp32":
+        if not self.dtype.endswith("-autocast"):
             return contextlib.nullcontext()
         dtype = torch.bfloat16 if self.dtype.startswith("bf16") else torch.float16
         return torch.autocast(device.type, dtype=dtype)

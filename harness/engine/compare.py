@@ -23,7 +23,8 @@ from torch import Tensor
 from gradequiv.harness.errors import InvalidArgument
 
 #: Upper caps per precision regime (torch.testing.assert_close's rtol): never a licence.
-DTYPE_CAPS = {"fp32": 1.3e-6, "bf16-autocast": 1.6e-2, "fp16-autocast": 1e-3}
+DTYPE_CAPS = {"fp32": 1.3e-6, "bf16-autocast": 1.6e-2, "fp16-autocast": 1e-3,
+              "bf16-model": 1.6e-2}
 #: How far above its own measured noise floor a recomputed tensor may sit.
 FLOOR_FACTOR = 4.0
 #: Relative slack, in units of an fp32/fp64 tensor's epsilon, for a reordered accumulation.

@@ -22,7 +22,11 @@ from gradequiv.harness.implementations.adapters import Implementation
 from gradequiv.models import Segment, Workload, build
 from gradequiv.models.segments import RoutedModel
 
-__all__ = ["PreparedPath", "build_path", "prepare", "seed_training_stream", "training_seed"]
+__all__ = ["MICRO_BATCHES", "PreparedPath", "build_path", "micro_batches", "prepare",
+           "seed_training_stream", "training_seed"]
+
+#: Micro-batches accumulated per optimizer step when a case asks for accumulation.
+MICRO_BATCHES = 2
 
 
 def training_seed(case: Case) -> int:
@@ -79,27 +83,62 @@ class PreparedPath:
         return [*self.model.parameters(), *self.model.buffers(),
                 *(t for t in self.inputs if t is not None)]
 
-    def forward(self, call: Callable[..., Any] | None = None) -> tuple[Any, Tensor]:
+    def forward(self, call: Callable[..., Any] | None = None,
+                batch: tuple[tuple[Tensor | None, ...], Tensor] | None = None
+                ) -> tuple[Any, Tensor]:
         """Outputs and loss of one forward under the case's autocast (backward stays
-        outside it); ``call``: the model as wrapped (compiled, DDP), by default itself."""
+        outside it); ``call``: the model as wrapped (compiled, DDP), by default itself;
+        ``batch``: inputs and targets of one micro-batch, by default the whole batch."""
+        inputs, targets = batch if batch is not None else (self.inputs, self.targets)
         with self.case.autocast(self.device):
-            outputs = (self.model if call is None else call)(*self.inputs)
-            return outputs, self.workload.loss_fn(outputs, self.targets)
+            outputs = (self.model if call is None else call)(*inputs)
+            return outputs, self.workload.loss_fn(outputs, targets)
+
+    def micro_batches(self) -> list[tuple[tuple[Tensor | None, ...], Tensor]]:
+        """The batches of one optimizer step: the whole batch, or its micro-batches when the
+        case accumulates (made afresh each step: a slice's graph lives for one backward)."""
+        if self.case.grad_mode != "accumulate":
+            return [(self.inputs, self.targets)]
+        return micro_batches(self.inputs, self.targets, MICRO_BATCHES)
+
+
+def micro_batches(inputs: tuple[Tensor | None, ...], targets: Tensor, n: int
+                  ) -> list[tuple[tuple[Tensor | None, ...], Tensor]]:
+    """``n`` micro-batches: rows of the batch split along its first dimension, so that each
+    micro-batch differs (a recompute that reuses an earlier one's inputs shows), or, where
+    the batch has fewer rows than ``n`` or inputs of other shapes (a user's model), the
+    whole batch ``n`` times. Slices of an input leaf send their gradient to the leaf."""
+    rows = targets.shape[0] if targets.dim() else 0
+    splittable = rows >= n and all(t is None or (t.dim() > 0 and t.shape[0] == rows)
+                                   for t in inputs)
+    if not splittable:
+        return [(inputs, targets)] * n
+    parts = [t.chunk(n) if t is not None else [None] * n for t in inputs]
+    return [(tuple(p[k] for p in parts), targets.chunk(n)[k]) for k in range(n)]
 
 
 def build_path(case: Case, device: torch.device) -> PreparedPath:
     """The workload from the case's seed, nothing installed, the stream not seeded yet.
 
     Inputs that require grad are copied into leaves of this path's own, so two
-    paths never share an input gradient.
+    paths never share an input gradient. A regime that casts the model (``bf16-model``)
+    casts its float inputs with it.
     """
     workload = build(case.model, case.batch, case.seed, device)
-    inputs = tuple(
-        t.detach().clone().requires_grad_() if t is not None and t.requires_grad else t
-        for t in workload.inputs
-    )
+    dtype = case.model_dtype
+    if dtype is not None:
+        workload.model.to(dtype)
+    inputs = tuple(_own_input(t, dtype) for t in workload.inputs)
     return PreparedPath(case, device, workload, workload.segments(case.granularity), inputs,
                         workload.targets)
+
+
+def _own_input(t: Tensor | None, dtype: torch.dtype | None) -> Tensor | None:
+    if t is None:
+        return None
+    if dtype is not None and t.is_floating_point():
+        t = t.detach().to(dtype).requires_grad_(t.requires_grad)
+    return t.detach().clone().requires_grad_() if t.requires_grad else t
 
 
 def prepare(case: Case, impl: Implementation | None, device: torch.device, *,

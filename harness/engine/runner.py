@@ -28,6 +28,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from gradequiv.harness.engine.attribution import ParameterUses
 from gradequiv.harness.engine.case import Case
 from gradequiv.harness.engine.memory import ActivationCounter, SavedBytes
 from gradequiv.harness.engine.path import PreparedPath, build_path
@@ -50,6 +51,10 @@ class StepRecord:
     buffers: dict[str, Tensor]
     rng: dict[str, Tensor]  # "cpu", "cuda:N": the global generator states after the step
     calls: dict[str, list[int]]  # counted module -> [forward-phase calls, backward-phase calls]
+    touched: list[str] = field(default_factory=list)  # .grad changed by torch.autograd.grad
+    left_bytes: int | None = None  # step 1: bytes it made, alive after its backward (a leak)
+    # counted module -> [0, ops reading its parameters in backward with grad on]
+    uses: dict[str, list[int]] = field(default_factory=dict)
 
 
 @dataclass
@@ -63,6 +68,7 @@ class PathRun:
     error_at: str = ""  # "step 1 forward", "step 2 backward", ...
     warnings: list[str] = field(default_factory=list)
     starts: list[StepStart] = field(default_factory=list)  # state at the start of steps 2, 3, ...
+    probes: dict[str, Tensor] = field(default_factory=dict)  # eval and no_grad forward outputs
 
 
 @dataclass
@@ -120,7 +126,13 @@ def run_path(
         try:
             path.install(impl)  # inside: what an implementation raises is a verdict
             phase = _Phase()
-            calls = {} if compiled else _count_calls(model, segments, phase)
+            counted = {} if compiled else _counted_modules(model, segments)
+            calls = _count_calls(counted, phase)
+            # What re-ran in backward, by the ops that read each segment's parameters: a
+            # recompute that calls the bound forward (instance patching) passes no hook.
+            # Recompute path only, backward only (forward counts would prove nothing).
+            uses = ParameterUses(counted, lambda: phase.index) \
+                if impl is not None and counted else None
             grads_in = _SegmentInputGrads(model, [] if compiled else segments)
             call = model if compiled is None else compile_model(model, compiled)
             params = list(model.named_parameters())
@@ -128,6 +140,9 @@ def run_path(
                                         momentum=MOMENTUM)
             model.train()
             path.seed()  # one training stream, the same for every path
+            if case.inference:
+                where = "the eval and no_grad forwards"
+                run.probes = _inference_forwards(path, call)
             for step in range(1, case.steps + 1):
                 if step > 1 and start_from is not None:
                     where = f"step {step} start"
@@ -140,17 +155,46 @@ def run_path(
                         t.grad = None
                 _reset(calls)
                 grads_in.reset()
-                where = f"step {step} forward"
-                measure = count_memory and step == 1
-                outputs, loss, held = _forward(path, call, measure, compiled=compiled is not None)
-                if measure and held is not None:
-                    run.held_on, run.held_bytes = held, sum(held.values())
-                where = f"step {step} backward"
-                with phase.backward():
-                    loss.backward()  # type: ignore[no-untyped-call]  # untyped in torch
-                run.steps.append(
-                    _record(model, params, inputs, loss, outputs, grads_in.grads, calls, device)
-                )
+                if uses is not None:
+                    uses.reset()
+                batches = path.micro_batches()
+                # Step 1, eager: what the step makes, held after its forward and still alive
+                # after its backward (a leak), by one counter over both.
+                made = ActivationCounter(exclude=path.not_activations()) \
+                    if count_memory and step == 1 and compiled is None else None
+                kept: list[Tensor] = []
+                touched: set[str] = set()
+                with made if made is not None else contextlib.nullcontext():
+                    for k, batch in enumerate(batches):
+                        part = f" (micro-batch {k + 1} of {len(batches)})" if k else ""
+                        grads_in.suffix = f" (micro-batch {k + 1})" if k else ""
+                        where = f"step {step} forward{part}"
+                        measure = count_memory and step == 1 and k == 0
+                        if made is not None:
+                            outputs, loss = path.forward(call, batch)
+                            held = made.held_bytes_by_device(ignore=[outputs, loss]) \
+                                if measure else None
+                        else:
+                            outputs, loss, held = _forward(path, call, measure, batch,
+                                                           compiled=compiled is not None)
+                        if measure and held is not None:
+                            run.held_on, run.held_bytes = held, sum(held.values())
+                        where = f"step {step} backward{part}"
+                        if len(batches) > 1:  # the step's loss: the micro-batches' mean
+                            loss = loss / len(batches)
+                        with (phase.backward(),
+                              uses if uses is not None else contextlib.nullcontext()):
+                            touched |= _ask_gradients(case.grad_mode, loss, params, inputs)
+                        kept += [loss.detach(), _main_output(outputs).detach()]
+                        del outputs, loss
+                left = None if made is None else made.held_bytes(
+                    ignore=[*kept, *grads_in.grads.values(),
+                            *(p.grad for _, p in params if p.grad is not None),
+                            *(t.grad for t in inputs if t is not None and t.grad is not None)])
+                run.steps.append(_record(model, params, inputs, kept, grads_in.grads, calls,
+                                         device, sorted(touched), left))
+                if uses is not None:
+                    run.steps[-1].uses = {n: list(c) for n, c in uses.uses.items()}
                 where = f"step {step} optimizer"
                 optimizer.step()
             run.params = {n: p.detach() for n, p in params}
@@ -161,6 +205,49 @@ def run_path(
     run.seconds = time.perf_counter() - started
     run.warnings = sorted({f"{w.category.__name__}: {w.message}" for w in caught})
     return run
+
+
+def _inference_forwards(path: PreparedPath, call: nn.Module) -> dict[str, Tensor]:
+    """An eval forward (grad on, as a validation loop without no_grad runs) and a training
+    forward under ``torch.no_grad()`` (dropout draws), neither followed by backward: what
+    each gave, to compare with full storage; the training after them must not change."""
+    path.model.eval()
+    evaluated, _ = path.forward(call)
+    path.model.train()
+    with torch.no_grad():
+        no_grad, _ = path.forward(call)
+    return {"eval forward output": _main_output(evaluated).detach(),
+            "no_grad forward output": _main_output(no_grad).detach()}
+
+
+def _ask_gradients(mode: str, loss: Tensor, params: list[tuple[str, nn.Parameter]],
+                   inputs: tuple[Tensor | None, ...]) -> set[str]:
+    """Backpropagate ``loss`` the way the case asks; accumulate into ``.grad`` either way.
+
+    With ``autograd-grad``, the gradients ``torch.autograd.grad`` returns are added into
+    ``.grad`` by hand, so the properties compare them like any others; the names of the
+    tensors whose ``.grad`` the call itself changed come back (it must change none).
+    """
+    if mode != "autograd-grad":
+        loss.backward()  # type: ignore[no-untyped-call]  # untyped in torch
+        return set()
+    named: list[tuple[str, Tensor]] = [(f"param:{n}", p) for n, p in params if p.requires_grad]
+    named += [(f"input:model:arg{i}", t) for i, t in enumerate(inputs)
+              if t is not None and t.requires_grad]
+    before = {name: None if t.grad is None else t.grad.clone() for name, t in named}
+    got = torch.autograd.grad(loss, [t for _, t in named], allow_unused=True)
+    touched = {name for name, t in named if not _same_grad(before[name], t.grad)}
+    with torch.no_grad():
+        for (_, t), g in zip(named, got):
+            if g is not None:
+                t.grad = g.detach() if t.grad is None else t.grad + g
+    return touched
+
+
+def _same_grad(before: Tensor | None, now: Tensor | None) -> bool:
+    if before is None or now is None:
+        return before is None and now is None
+    return bool(torch.equal(before, now))
 
 
 def _rng_states(device: torch.device) -> dict[str, Tensor]:
@@ -210,33 +297,38 @@ def _main_output(outputs: Any) -> Tensor:
 
 
 def _forward(path: PreparedPath, call: nn.Module, measure: bool,
-             compiled: bool = False) -> tuple[Tensor, Tensor, dict[str, int] | None]:
-    """One forward and loss, optionally counting held bytes (by device)."""
+             batch: tuple[tuple[Tensor | None, ...], Tensor], compiled: bool = False
+             ) -> tuple[Tensor, Tensor, dict[str, int] | None]:
+    """One forward and loss of ``batch``, optionally counting held bytes (by device)."""
     if not measure:
-        return *path.forward(call), None
+        return *path.forward(call, batch), None
     never = path.not_activations()
     if compiled:
         with SavedBytes(exclude=never) as saved:
-            outputs, loss = path.forward(call)
+            outputs, loss = path.forward(call, batch)
         return outputs, loss, saved.held_bytes_by_device()
     with ActivationCounter(exclude=never) as counter:
-        outputs, loss = path.forward(call)
+        outputs, loss = path.forward(call, batch)
     return outputs, loss, counter.held_bytes_by_device(ignore=[outputs, loss])
 
 
-def _count_calls(model: nn.Module, segments: list[Segment], phase: _Phase) -> dict[str, list[int]]:
-    """Count each segment's forward calls per phase, with forward pre-hooks."""
+def _counted_modules(model: nn.Module, segments: list[Segment]) -> dict[str, nn.Module]:
+    """The modules whose runs prove each segment ran, by their names in the model."""
     names = {id(m): n for n, m in model.named_modules()}
+    return {names.get(id(module), segment.name): module
+            for segment in segments for module in segment.counted}
+
+
+def _count_calls(counted: dict[str, nn.Module], phase: _Phase) -> dict[str, list[int]]:
+    """Count each counted module's forward calls per phase, with forward pre-hooks."""
     calls: dict[str, list[int]] = {}
-    for segment in segments:
-        for module in segment.counted:
-            name = names.get(id(module), segment.name)
-            counter = calls.setdefault(name, [0, 0])
+    for name, module in counted.items():
+        counter = calls[name] = [0, 0]
 
-            def hook(_module: nn.Module, _args: Any, counter: list[int] = counter) -> None:
-                counter[phase.index] += 1
+        def hook(_module: nn.Module, _args: Any, counter: list[int] = counter) -> None:
+            counter[phase.index] += 1
 
-            module.register_forward_pre_hook(hook)
+        module.register_forward_pre_hook(hook)
     return calls
 
 
@@ -256,6 +348,7 @@ class _SegmentInputGrads:
 
     def __init__(self, model: RoutedModel, segments: list[Segment]) -> None:
         self.grads: dict[str, Tensor] = {}
+        self.suffix = ""  # names the micro-batch after the first: " (micro-batch 2)"
         self._seen: dict[int, weakref.ref[Tensor]] = {}
         self._modules = {s.name: s.module for s in segments}
         self._signatures: dict[type, inspect.Signature] = {}
@@ -285,7 +378,7 @@ class _SegmentInputGrads:
             if known is not None and known() is value:
                 continue
             self._seen[id(value)] = weakref.ref(value)
-            value.register_hook(self._store(f"input:{segment}:{arg}"))  # type: ignore[no-untyped-call]
+            value.register_hook(self._store(f"input:{segment}:{arg}{self.suffix}"))  # type: ignore[no-untyped-call]
 
     def _store(self, key: str) -> Any:
         def hook(grad: Tensor | None) -> None:
@@ -298,12 +391,14 @@ class _SegmentInputGrads:
 
 def _record(
     model: nn.Module, params: list[tuple[str, nn.Parameter]], inputs: tuple[Tensor | None, ...],
-    loss: Tensor, outputs: Any, grads_in: dict[str, Tensor], calls: dict[str, list[int]],
-    device: torch.device,
+    kept: list[Tensor], grads_in: dict[str, Tensor], calls: dict[str, list[int]],
+    device: torch.device, touched: list[str], left: int | None,
 ) -> StepRecord:
-    """Keep this step's observations.
+    """Keep this step's observations; ``kept``: loss and main output of each micro-batch.
 
-    Gradients, loss and outputs are kept without a copy: ``zero_grad(set_to_none=True)``
+    The step's loss is the sum of its micro-batches' (each scaled by their count), its
+    output their outputs joined along the batch. Gradients, loss and outputs are kept
+    without a copy: ``zero_grad(set_to_none=True)``
     gives the next step fresh gradient tensors, and SGD reads gradients without
     writing them. Buffers change in place, so they are copied.
     """
@@ -315,11 +410,22 @@ def _record(
             grads[f"input:model:arg{i}"] = None if t.grad is None else t.grad.detach()
     grads.update(grads_in)
     rng = _rng_states(device)
+    losses, outputs = kept[0::2], kept[1::2]
     return StepRecord(
-        loss=loss.detach(),
-        outputs=_main_output(outputs).detach(),
+        loss=losses[0] if len(losses) == 1 else torch.stack(losses).sum(),
+        outputs=outputs[0] if len(outputs) == 1 else _join(outputs),
         grads=grads,
         buffers={n: b.detach().clone() for n, b in model.named_buffers()},
         rng=rng,
         calls={n: list(c) for n, c in calls.items()},
+        touched=touched,
+        left_bytes=left,
     )
+
+
+def _join(outputs: list[Tensor]) -> Tensor:
+    """Micro-batch outputs as one batch; side by side where their shapes disagree."""
+    try:
+        return torch.cat(outputs)
+    except RuntimeError:
+        return torch.cat([o.reshape(-1) for o in outputs])

@@ -1,10 +1,13 @@
 """The fixed, deterministic spread of cases that ``gradequiv check`` runs.
 
-It covers dropout on and off, fp32 and bf16 autocast, every granularity, both
+It covers dropout on and off, every precision regime, every granularity, both
 attention paths, both norms and placements, every activation, tied and
-untied embeddings, padding on and off, and sizes from one layer up to
-4 layers x 128 wide x 64 tokens (segment inputs of 16k elements). Cheap cases
-come first so a broken implementation fails fast.
+untied embeddings, padding on and off, every way of asking for gradients, eval
+and no_grad forwards before training, layers that return an auxiliary loss, are
+applied twice or take ``x0`` by keyword, and sizes from one layer up to
+4 layers x 128 wide x 64 tokens (segment inputs of 16k elements) and one layer
+of 128k-element inputs. Cheap cases come first so a broken implementation fails
+fast.
 """
 
 from __future__ import annotations
@@ -27,12 +30,16 @@ from gradequiv.models import (
 _ALL_DROPOUT: dict[str, Any] = dict.fromkeys(ELEMENT_DROPOUT_SITES, 0.1)
 _SMALL = TransformerConfig(n_layer=2, n_embd=16, n_head=2, max_seq_len=16)
 _LARGE = TransformerConfig(n_layer=4, n_embd=128, n_head=4, max_seq_len=64, **_ALL_DROPOUT)
+#: Segment inputs of 4 x 128 x 256 = 128k elements: above the 64k where implementations
+#: take other paths for big boundaries (compression, partitioning).
+_WIDE = TransformerConfig(n_layer=1, n_embd=256, n_head=4, max_seq_len=128, **_ALL_DROPOUT)
 
 
 def _case(name: str, model: TransformerConfig | BatchNormConfig, granularity: str,
-          dtype: str = "fp32", batch: BatchConfig | None = None, seed: int = 0) -> Case:
+          dtype: str = "fp32", batch: BatchConfig | None = None, seed: int = 0,
+          **training: Any) -> Case:
     return Case(model=model, batch=batch or BatchConfig(2, 8), seed=seed, name=name,
-                granularity=parse_granularity(granularity), dtype=dtype)
+                granularity=parse_granularity(granularity), dtype=dtype, **training)
 
 
 def default_cases() -> list[Case]:
@@ -59,19 +66,39 @@ def default_cases() -> list[Case]:
         _case("3L-attention-bf16-manual", replace(_SMALL, n_layer=3, attention="manual",
                                                   **_ALL_DROPOUT), "attention",
               "bf16-autocast", seed=10),
+        _case("2L-layer-fp16-dropout", replace(_SMALL, **_ALL_DROPOUT), "layer",
+              "fp16-autocast", seed=13),
+        _case("2L-layer-bf16-model-dropout", replace(_SMALL, **_ALL_DROPOUT), "layer",
+              "bf16-model", seed=14),
+        _case("2L-layer-autograd-grad-dropout", replace(_SMALL, **_ALL_DROPOUT), "layer",
+              seed=15, grad_mode="autograd-grad"),
+        _case("2L-layer-accumulate-dropout", replace(_SMALL, **_ALL_DROPOUT), "layer",
+              batch=BatchConfig(4, 8), seed=16, grad_mode="accumulate"),
+        _case("2L-layer-inference-first-dropout", replace(_SMALL, **_ALL_DROPOUT), "layer",
+              seed=17, inference=True),
+        _case("2L-group2-aux-shared-x0kw-dropout", replace(
+            _SMALL, aux_loss=True, layer_repeats=2, x0_keyword=True, **_ALL_DROPOUT),
+            "group:2", seed=18),
+        _case("2L-layer-aux-shared-x0kw-dropout", replace(
+            _SMALL, aux_loss=True, layer_repeats=2, x0_keyword=True, **_ALL_DROPOUT),
+            "layer", seed=19),
         _case("4Lx128x64-layer-dropout", _LARGE, "layer", batch=BatchConfig(2, 64), seed=11),
         _case("4Lx128x64-group2-bf16", _LARGE, "group:2", "bf16-autocast",
               batch=BatchConfig(2, 64), seed=12),
+        _case("1Lx256x128-layer-dropout-128k", _WIDE, "layer", batch=BatchConfig(4, 128),
+              seed=22),
     ]
 
 
 def extra_cases() -> list[Case]:
     """Named cases outside the default spread, run with ``--case NAME``.
 
-    Both are real faults of torch's own checkpoint, kept out of the default
+    They are real faults of torch's own checkpoint, kept out of the default
     spread so that it measures the implementation's core: the batchnorm model
     (torch re-runs BatchNorm in training mode and so updates its running
-    statistics twice) and frozen embeddings (the reentrant variant gives the
+    statistics twice; with a training forward under no_grad first, a recompute
+    that updates them only in backward misses that forward's update) and frozen
+    embeddings (the reentrant variant gives the
     first layer no gradients when none of its inputs requires grad).
     """
     return [
@@ -79,6 +106,9 @@ def extra_cases() -> list[Case]:
                                                     **_ALL_DROPOUT), "layer", seed=21),
         _case("batchnorm-layer", BatchNormConfig(n_layer=2, width=16, dropout=0.1), "layer",
               batch=BatchConfig(4, 1), seed=20),
+        _case("batchnorm-layer-inference-first", BatchNormConfig(n_layer=2, width=16,
+                                                                 dropout=0.1), "layer",
+              batch=BatchConfig(4, 1), seed=23, inference=True),
     ]
 
 

@@ -1,20 +1,25 @@
-"""The six properties of one case, and the verdict that gathers them.
+"""The seven properties of one case, and the verdict that gathers them.
 
 ``verify(impl, case)`` runs the full-storage path twice (the second run is the
 noise floor) and the recompute path once, then checks, in this order:
 
 1. ``outputs``: loss and model outputs of the first step;
 2. ``gradients``: every parameter and segment-input gradient of the first step,
-   including which exist at all;
+   including which exist at all, and under ``torch.autograd.grad`` no ``.grad`` touched;
 3. ``buffers``: buffers after the first step;
 4. ``rng``: the global RNG state after every step;
 5. ``trajectory``: losses, gradients and weights over the later steps, each
    step started from the full path's weights, optimizer and RNG state, so a
    fault shows at the step it happens in (a step-1 fault is not counted again);
-6. ``recompute``: each selected segment ran once in forward and once again in
-   backward, and fewer activation bytes were held than on the full path (for
-   an offload: ran once and never again, fewer bytes left on the accelerator;
-   inside a compiled graph: the bytes only).
+6. ``inference``: an eval forward and a ``no_grad`` forward before training (where the
+   case has them) give the full path's outputs; the training after them is checked by
+   the other properties;
+7. ``recompute``: each selected segment ran again in backward once per forward
+   (seen by forward hooks, or by ops on its parameters under grad mode, as a recompute
+   that calls the bound forward passes no hook), fewer activation bytes were held than
+   on the full path, and nothing a step made outlived its backward more than with full
+   storage (a leak); for an offload: ran once and never again, fewer bytes left on the
+   accelerator; inside a compiled graph: the bytes only.
 
 A compiled implementation (``compile-...``) runs all three paths compiled:
 the full path with torch's defaults, its floor run rounding where inductor
@@ -35,16 +40,15 @@ from typing import Any
 
 import torch
 
-from gradequiv.harness.engine.case import CUDA_ONLY_DTYPES, Case
+from gradequiv.harness.engine.case import Case
 from gradequiv.harness.engine.compare import Tolerance, measure_pairs
 from gradequiv.harness.engine.runner import PathRun, run_path
-from gradequiv.harness.errors import InvalidArgument
 from gradequiv.harness.implementations.adapters import Implementation
 from gradequiv.harness.implementations.compiled import FLOOR, REFERENCE, CompileSpec
 from gradequiv.harness.implementations.resolve import resolve
 from gradequiv.models import NoRecompute, build
 
-PROPERTIES = ("outputs", "gradients", "buffers", "rng", "trajectory", "recompute")
+PROPERTIES = ("outputs", "gradients", "buffers", "rng", "trajectory", "inference", "recompute")
 
 
 @dataclass(frozen=True)
@@ -127,7 +131,6 @@ def verify(
     """Check ``impl`` on ``case`` against full storage; never raises for the impl's faults."""
     impl = resolve(impl) if isinstance(impl, str) else impl
     device = torch.device(device)
-    _check_device(case, device)
     tolerance = tolerance or Tolerance(regime=case.dtype)
     verdict = Verdict(case=case, impl=impl.spec, device=str(device))
     reference = REFERENCE if impl.compiled else None  # compiled code is compared to compiled
@@ -163,17 +166,12 @@ def verify(
 
 
 def check_runnable(case: Case, device: str | torch.device) -> None:
-    """Raise InvalidArgument now if ``case`` cannot run on ``device``: a dtype the device
-    lacks, a batch longer than the model's positions, a granularity the model has no
-    segments for. For a command to refuse before its first case (exit 2), not fail it."""
-    device = torch.device(device)
-    _check_device(case, device)
+    """Raise InvalidArgument now if ``case`` cannot run on ``device``: a batch longer than
+    the model's positions, a granularity the model has no segments for. For a command to
+    refuse before its first case (exit 2), not fail it. Every precision regime runs on
+    either device (fp16 autocast too, on the CPU)."""
+    del device  # every regime runs on either device; kept for callers that name one
     build(case.model, case.batch, case.seed, "cpu").segments(case.granularity)
-
-
-def _check_device(case: Case, device: torch.device) -> None:
-    if case.dtype in CUDA_ONLY_DTYPES and device.type != "cuda":
-        raise InvalidArgument(f"dtype={case.dtype!r} needs CUDA; use fp32 or bf16-autocast on CPU")
 
 
 @contextlib.contextmanager
@@ -196,6 +194,7 @@ def _check_all(
     items += [_item("outputs", "loss", [s.loss for s in first]),
               _item("outputs", "model output", [s.outputs for s in first])]
     items += _named("gradients", "", [s.grads for s in first])
+    items += _named("inference", "", [rc.probes, full.probes, floor.probes])
     items += _named("buffers", "buffer ", [s.buffers for s in first])
     for k, steps in enumerate(zip(rc.steps, full.steps, floor.steps), start=1):
         items += _named("rng", f"RNG state after step {k}: ", [s.rng for s in steps])
@@ -225,6 +224,16 @@ def _check_all(
 
     if not full.steps[0].buffers:
         results["buffers"].summary = "the model has no buffers"
+    if not case.inference:
+        results["inference"].passed = None
+        results["inference"].summary = "no eval or no_grad forward in this case"
+    for k, step in enumerate(rc.steps, start=1):
+        if step.touched:
+            results["gradients"].failures.append(
+                f"step {k}: torch.autograd.grad changed .grad of {len(step.touched)} "
+                f"tensor(s) ({', '.join(_label(n) for n in step.touched[:3])}); it must "
+                f"return gradients and touch no .grad (a recompute that calls backward "
+                f"inside backward accumulates into .grad)")
     _check_recompute(case, full, rc, results["recompute"], compiled)
     for result in results.values():
         if result.passed is not None:
@@ -303,22 +312,53 @@ def _check_recompute(case: Case, full: PathRun, rc: PathRun, result: PropertyRes
     for k, (step_rc, step_full) in enumerate(zip(rc.steps, full.steps), start=1):
         for module, (fwd, bwd) in step_rc.calls.items():
             full_fwd = step_full.calls.get(module, [0, 0])[0]
+            read_bwd = step_rc.uses.get(module, [0, 0])[1]
             if fwd != full_fwd:
                 result.failures.append(
                     f"step {k}: {module} ran {fwd} time(s) in forward on the recompute path and "
                     f"{full_fwd} on the full-storage path"
                 )
-            if bwd != 1:
+            if bwd == 0 and read_bwd == 0:
                 result.failures.append(
-                    f"step {k}: {module} ran {bwd} time(s) in backward; a recompute re-runs each "
-                    f"selected segment's forward exactly once"
+                    f"step {k}: {module} did not run again in backward (no forward call, no op "
+                    f"on its parameters with grad on), {full_fwd} forward(s) to recompute; "
+                    f"nothing was recomputed"
                 )
+            elif bwd > full_fwd:
+                # Hooks only: op counts are no measure of how often (autocast caches a
+                # weight's cast in forward, not in a recompute; torch's early stop re-runs
+                # fewer ops), only of whether the segment re-ran at all.
+                result.failures.append(
+                    f"step {k}: {module} ran {bwd} time(s) in backward and {full_fwd} in "
+                    f"forward; a recompute re-runs each forward once, not more"
+                )
+            elif 0 < bwd < full_fwd:
+                result.failures.append(
+                    f"step {k}: {module} ran {bwd} time(s) in backward and {full_fwd} in "
+                    f"forward; each of its forwards must be recomputed once"
+                )
+    _check_leaks(full, rc, result)
     held_rc, held_full = rc.held_bytes, full.held_bytes
     if held_rc is not None and held_full is not None and held_rc >= held_full:
         result.failures.append(
             f"activation bytes held between forward and backward: {held_rc} on the recompute "
             f"path, {held_full} on the full-storage path; nothing was freed"
         )
+
+
+def _check_leaks(full: PathRun, rc: PathRun, result: PropertyResult) -> None:
+    """Nothing the first step made may outlive its backward more than with full storage:
+    a recompute that keeps graphs, saved inputs or recomputed activations alive leaks
+    them step after step."""
+    for k, (step_rc, step_full) in enumerate(zip(rc.steps, full.steps), start=1):
+        left_rc, left_full = step_rc.left_bytes, step_full.left_bytes
+        if left_rc is not None and left_full is not None and left_rc > left_full:
+            result.failures.append(
+                f"step {k}: {left_rc} bytes made in the step were still alive after its "
+                f"backward on the recompute path ({left_full} with full storage): the "
+                f"implementation keeps activations or graphs past backward, a leak that "
+                f"grows with every step")
+            return
 
 
 def _check_offload(case: Case, full: PathRun, rc: PathRun,
@@ -332,6 +372,7 @@ def _check_offload(case: Case, full: PathRun, rc: PathRun,
     for k, (step_rc, step_full) in enumerate(zip(rc.steps, full.steps), start=1):
         for module, (fwd, bwd) in step_rc.calls.items():
             full_fwd = step_full.calls.get(module, [0, 0])[0]
+            bwd = max(bwd, step_rc.uses.get(module, [0, 0])[1])  # by hooks or by its ops
             if fwd != full_fwd or bwd != 0:
                 result.failures.append(
                     f"step {k}: {module} ran {fwd} time(s) in forward (full storage: "
