@@ -21,6 +21,7 @@ from gradequiv.harness.errors import InvalidArgument
 from gradequiv.harness.implementations.torch_builtins import OFFLOAD
 from gradequiv.harness.options import ADAPTERS
 from gradequiv.models import Segment
+from gradequiv.models.kinds import GRAD_MODES
 from gradequiv.models.segments import Router
 
 if TYPE_CHECKING:
@@ -44,6 +45,17 @@ class Implementation:
         """Whether it keeps activations in host memory instead of recomputing them
         (``gradequiv_strategy = "offload"`` on the target)."""
         return getattr(self.target, "gradequiv_strategy", "recompute") == OFFLOAD
+
+    @property
+    def grad_modes(self) -> tuple[str, ...]:
+        """The ways of asking for gradients it supports: every one of ``GRAD_MODES`` but those
+        its target lists in ``gradequiv_unsupported`` (torch's reentrant checkpoint refuses
+        ``torch.autograd.grad`` by design, loudly), and ``autograd-grad`` when it is told to
+        run reentrant (``use_reentrant=true``, the wrapper's ``reentrant=true``)."""
+        refused = set(getattr(self.target, "gradequiv_unsupported", ()))
+        if self.kwargs.get("use_reentrant") is True or self.kwargs.get("reentrant") is True:
+            refused.add("autograd-grad")
+        return tuple(mode for mode in GRAD_MODES if mode not in refused)
 
     def __post_init__(self) -> None:
         if self.adapter not in ADAPTERS:

@@ -13,7 +13,6 @@ only, so a ``-W error`` test run still sees every warning raised by the run.
 
 from __future__ import annotations
 
-import functools
 import importlib
 import warnings
 from collections.abc import Callable
@@ -24,6 +23,7 @@ import torch
 from torch import nn
 
 from gradequiv.harness.errors import InvalidArgument
+from gradequiv.harness.implementations.torch_builtins import tensors_positional
 
 #: SPEC -> (pip extra, distribution the extra installs)
 EXTRAS = {
@@ -103,12 +103,12 @@ def deepspeed_checkpoint(function: Callable[..., Any], *args: Any, **kwargs: Any
 def deepspeed_nonreentrant(function: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
     """deepspeed.checkpointing.non_reentrant_checkpoint (saved-tensor hooks).
 
-    It takes positional arguments only, so keyword arguments are bound with
-    functools.partial, as its callers do.
+    It takes positional arguments only: tensor keyword arguments are passed after them,
+    the others bound (``tensors_positional``).
     """
     library = _deepspeed_checkpointing("deepspeed-nonreentrant")
-    bound = functools.partial(function, **kwargs) if kwargs else function
-    return library.non_reentrant_checkpoint(bound, *args)
+    call, inputs = tensors_positional(function, args, kwargs)
+    return library.non_reentrant_checkpoint(call, *inputs)
 
 
 # -- Megatron-core --------------------------------------------------------------------------
@@ -127,7 +127,8 @@ def _megatron() -> ModuleType:
 
 def megatron_checkpoint(function: Callable[..., Any], *args: Any,
                         distribute_saved_activations: bool = False, **kwargs: Any) -> Any:
-    """megatron.core.tensor_parallel.checkpoint (reentrant); kwargs bound with partial.
+    """megatron.core.tensor_parallel.checkpoint (reentrant); tensor kwargs passed after the
+    positional inputs, the others bound (``tensors_positional``).
 
     Needs CUDA: its CheckpointFunction.forward saves the RNG states through
     ``_get_all_rng_states``, which calls ``_get_cuda_rng_state`` ->
@@ -137,8 +138,19 @@ def megatron_checkpoint(function: Callable[..., Any], *args: Any,
     in the first forward; it is refused here with that reason instead.
     """
     library = _megatron()
-    bound = functools.partial(function, **kwargs) if kwargs else function
-    return library.checkpoint(bound, distribute_saved_activations, *args)
+    call, inputs = tensors_positional(function, args, kwargs)
+    return library.checkpoint(call, distribute_saved_activations, *inputs)
+
+
+# Checkpoints that raise under torch.autograd.grad ("Checkpointing is not compatible with
+# .grad()"): the reentrant autograd.Functions, which call backward inside backward as torch's
+# reentrant checkpoint does, and DeepSpeed's non-reentrant one, which checks the same. A
+# declared limit, loud where it is met: those cases are not drawn.
+_NO_AUTOGRAD_GRAD: tuple[Any, ...] = (fairscale_wrapper, deepspeed_checkpoint,
+                                      deepspeed_nonreentrant, megatron_checkpoint)
+for _target in _NO_AUTOGRAD_GRAD:
+    _target.gradequiv_unsupported = ("autograd-grad",)
+del _target
 
 
 def require(spec: str) -> None:

@@ -32,6 +32,7 @@ BUILTINS: dict[str, tuple[str, str]] = {
     "torch-reentrant": ("torch_builtins:torch_reentrant_checkpoint", "function"),
     "torch-sac": ("torch_builtins:torch_sac", "function"),
     "torch-wrapper": ("torch_builtins:torch_wrapper", "wrapper"),
+    "torch-patched": ("torch_builtins:torch_patched", "wrapper"),
     "torch-offload": ("torch_builtins:torch_offload", "function"),
     "torch-offload-wrapper": ("torch_builtins:torch_offload_wrapper", "wrapper"),
     "fairscale": ("libraries:fairscale_wrapper", "wrapper"),
