@@ -3,8 +3,14 @@
 ``reference_checkpoint`` is a plain, correct recompute (an autograd.Function:
 forward under no_grad keeping only the inputs, backward re-running the
 segment with the RNG state, autocast state and keyword arguments of the
-first run, buffers put back). Each mutant flips one :class:`Faults` switch;
-each switch is a failure seen in real recompute code. A harness that lets
+first run, buffers put back). The segment's parameters and its tensor keyword
+arguments are inputs of the Function too, and backward returns their gradients
+from ``torch.autograd.grad``: it never writes ``.grad`` itself, so it composes
+with ``torch.autograd.grad(loss, ...)`` and with gradient accumulation, and a
+tensor passed by keyword gets its gradient. Every output tensor of a tuple
+gets its incoming gradient. Each mutant flips one :class:`Faults` switch;
+each switch is a failure seen in real recompute code (``Mutant.source``: the
+issue or pull request it stands for, where one is known). A harness that lets
 any of them pass is broken.
 """
 
@@ -13,6 +19,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import weakref
+from collections import deque
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, fields
 from typing import Any
@@ -43,6 +50,21 @@ class Faults:
     gradient_skew: bool = False  # gradients through the segment off by a relative 1e-4
     buffers_updated_twice: bool = False  # recompute updates running statistics again
     crash_in_backward: bool = False  # backward raises
+    autocast_default_dtype: bool = False  # recompute re-enters autocast without its dtype
+    autocast_forced_on: bool = False  # recompute enters autocast though the forward had none
+    grad_via_backward: bool = False  # inner torch.autograd.backward writes .grad
+    accumulated_grad_overwritten: bool = False  # param grads read by clearing .grad: earlier
+    #                                             micro-batches' gradients lost
+    kwarg_tensors_detached: bool = False  # tensor kwargs held by closure, detached
+    tuple_tail_no_grad: bool = False  # only a tuple output's first tensor gets its gradient
+    state_per_module_slot: bool = False  # RNG/autocast state kept in one slot per module
+    state_queue_without_backward: bool = False  # per-module FIFO of states, popped by backward
+    recomputed_kept: bool = False  # recomputed outputs (and so activations) kept after backward
+    saved_inputs_kept: bool = False  # saved boundary inputs appended to a list never cleared
+    large_boundary_compressed: bool = False  # inputs over 64K elements saved in bfloat16
+    group_layers_unchained: bool = False  # a group's layers all fed the group's input
+    bn_stats_in_recompute_only: bool = False  # running statistics frozen in the forward,
+    #                                           updated by the recompute
 
 
 @dataclass(frozen=True)
@@ -51,6 +73,7 @@ class Mutant:
     faults: Faults
     models: str  # the real failure it stands for
     cuda_only: bool = False
+    source: str = ""  # the issue or pull request it stands for ("" where none is known)
 
     @property
     def impl(self) -> Callable[..., Any]:
@@ -58,16 +81,22 @@ class Mutant:
             functools.partial(checkpoint_with_faults, faults=self.faults), checkpoint_with_faults
         )
         fn.__name__ = fn.__qualname__ = self.name.replace("-", "_")
-        fn.__doc__ = self.models
+        fn.__doc__ = f"{self.models} ({self.source})" if self.source else self.models
         return fn
 
 
-def _mutant(switch: str, models: str, cuda_only: bool = False) -> Mutant:
-    return Mutant(switch.replace("_", "-"), Faults(**{switch: True}), models, cuda_only)
+def _mutant(switch: str, models: str, source: str = "", cuda_only: bool = False) -> Mutant:
+    return Mutant(switch.replace("_", "-"), Faults(**{switch: True}), models, cuda_only, source)
 
+
+_PT = "https://github.com/pytorch/pytorch"
+_MEGATRON = "https://github.com/NVIDIA/Megatron-LM"
+_DEEPSPEED = "https://github.com/deepspeedai/DeepSpeed"
+_FAIRSCALE = "https://github.com/facebookresearch/fairscale"
 
 MUTANTS: tuple[Mutant, ...] = (
-    _mutant("no_rng_restore", "checkpoint with preserve_rng_state=False around dropout"),
+    _mutant("no_rng_restore", "checkpoint with preserve_rng_state=False around dropout",
+            "https://github.com/allenai/OLMo-core/pull/828"),
     _mutant("rng_lost_on_first_call", "RNG state saved lazily on first use, so each "
                                       "segment's first recompute draws fresh masks"),
     _mutant("rng_captured_late", "RNG state captured after the segment ran, as in code that "
@@ -77,10 +106,12 @@ MUTANTS: tuple[Mutant, ...] = (
                                    "caller's stream is left where the recompute put it"),
     _mutant("caller_stream_moved_once", "the caller's stream moved by a segment's first "
                                         "recompute only (a warm-up path without fork_rng)"),
-    _mutant("cuda_rng_not_restored", "only torch.get_rng_state() saved; CUDA dropout differs",
-            cuda_only=True),
+    _mutant("cuda_rng_not_restored", "only torch.get_rng_state() saved; the device generator "
+                                     "that feeds dropout is not restored",
+            f"{_PT}/pull/194478", cuda_only=True),
     _mutant("dropout_off", "recompute under model.eval() or with dropout disabled"),
-    _mutant("autocast_lost", "recompute outside the forward's autocast region"),
+    _mutant("autocast_lost", "recompute outside the forward's autocast region (Megatron's "
+                             "CheckpointFunction outside fp8_autocast)", f"{_MEGATRON}/pull/7538"),
     _mutant("kwargs_dropped", "keyword arguments not forwarded to the recompute"),
     _mutant("input_grads_dropped", "backward returns None for all inputs but the first"),
     _mutant("inputs_detached", "inputs detached before the segment: no gradient flows back"),
@@ -89,8 +120,55 @@ MUTANTS: tuple[Mutant, ...] = (
     _mutant("padding_zeroed", "an unpadding fast path that returns zeros at padded positions: "
                               "outputs differ only where the loss does not look"),
     _mutant("gradient_skew", "a small systematic error in the recomputed gradient"),
-    _mutant("buffers_updated_twice", "BatchNorm running statistics updated by the recompute"),
+    _mutant("buffers_updated_twice", "BatchNorm running statistics updated by the recompute",
+            f"{_PT}/issues/96136"),
     _mutant("crash_in_backward", "backward raises (freed buffer, shape bug)"),
+    _mutant("autocast_default_dtype", "the recompute re-enters autocast with only `enabled` "
+                                      "(fairscale #1199 too): fp16 autocast on the CPU, whose "
+                                      "default is bf16, recomputes in bf16",
+            f"{_PT}/issues/71124"),
+    _mutant("autocast_forced_on", "`fp8 is not None` where `bool(fp8)` was meant: every "
+                                  "recompute enters the low-precision context, also when the "
+                                  "forward ran without it", f"{_MEGATRON}/pull/4469"),
+    _mutant("grad_via_backward", "the reentrant recompute's inner torch.autograd.backward "
+                                 "writes parameter .grad, which torch.autograd.grad(loss, ...) "
+                                 "must leave alone (pytorch #81296 too)", f"{_PT}/issues/51743"),
+    _mutant("accumulated_grad_overwritten", "parameter gradients read back from .grad after an "
+                                            "inner backward that cleared it first: the earlier "
+                                            "micro-batches' gradients are lost",
+            "https://github.com/unslothai/unsloth-zoo/pull/892"),
+    _mutant("kwarg_tensors_detached", "tensor keyword arguments captured by a closure, not "
+                                      "Function inputs: no gradient reaches them (DeepSpeed "
+                                      "PR 8182 too)", f"{_MEGATRON}/pull/4765"),
+    _mutant("tuple_tail_no_grad", "only the first tensor of a tuple output carries gradient "
+                                  "back: an aux loss returned beside x trains nothing",
+            f"{_PT}/issues/124725"),
+    _mutant("state_per_module_slot", "RNG and autocast state kept in one slot per module: a "
+                                     "weight-shared layer applied twice recomputes its first "
+                                     "application with the second's dropout masks",
+            f"{_DEEPSPEED}/issues/2103"),
+    _mutant("state_queue_without_backward", "a per-module queue of saved RNG states, pushed by "
+                                            "each forward and popped by backward: forwards "
+                                            "without backward (eval, no_grad) leave stale "
+                                            "entries the next recompute restores",
+            f"{_DEEPSPEED}/pull/3005"),
+    _mutant("recomputed_kept", "recomputed activations stay referenced after backward, so "
+                               "recompute saves no memory and leaks (pytorch #80151 too)",
+            f"{_PT}/issues/77284"),
+    _mutant("saved_inputs_kept", "saved segment inputs stay referenced from a list nobody "
+                                 "clears: they outlive backward, step after step",
+            f"{_PT}/issues/84413"),
+    _mutant("large_boundary_compressed", "boundary inputs above 64K elements stored in "
+                                         "bfloat16 to save memory and cast back for the "
+                                         "recompute: a size-gated lossy path",
+            "https://github.com/inclusionAI/AReno/pull/538"),
+    _mutant("group_layers_unchained", "a segment of several layers runs each of them on the "
+                                      "segment's input instead of the previous layer's output",
+            f"{_MEGATRON}/pull/290"),
+    _mutant("bn_stats_in_recompute_only", "BatchNorm statistics frozen in the forward and left "
+                                          "to the recompute: a forward without backward "
+                                          "(no_grad, validation) never updates them",
+            f"{_FAIRSCALE}/issues/1035"),
 )
 
 
@@ -105,6 +183,18 @@ _RECOMPUTED: weakref.WeakSet[Any] = weakref.WeakSet()
 #: The first step's saved inputs per segment, for the stale-recompute fault; dies with the model.
 _STALE: weakref.WeakKeyDictionary[Any, tuple[Tensor, ...]] = weakref.WeakKeyDictionary()
 
+#: Per-segment state for the faults that key it by module instead of by call; each dies
+#: with the model: the last forward's state (one slot), the states of forwards not yet
+#: backpropagated (a queue), the last recompute's outputs, every step's saved inputs.
+_SLOT: weakref.WeakKeyDictionary[Any, _State] = weakref.WeakKeyDictionary()
+_QUEUE: weakref.WeakKeyDictionary[Any, deque[_State]] = weakref.WeakKeyDictionary()
+_KEPT_OUTPUTS: weakref.WeakKeyDictionary[Any, Any] = weakref.WeakKeyDictionary()
+_KEPT_INPUTS: weakref.WeakKeyDictionary[Any, list[tuple[Tensor, ...]]] = (
+    weakref.WeakKeyDictionary())
+
+#: Inputs with more elements than this are stored compressed (large-boundary-compressed).
+_COMPRESS_ABOVE = 65536
+
 
 def checkpoint_with_faults(
     function: Callable[..., Any], *args: Any, faults: Faults, **kwargs: Any
@@ -114,15 +204,30 @@ def checkpoint_with_faults(
         return function(*args, **kwargs)
     if faults.inputs_detached:
         args = tuple(a.detach() if isinstance(a, Tensor) else a for a in args)
-    run = _Run(function, args, kwargs, faults)
-    tensors = [a for a in args if isinstance(a, Tensor)]
-    out = _Recompute.apply(run, *tensors)  # type: ignore[no-untyped-call]  # untyped in torch
+    if faults.kwarg_tensors_detached:
+        kwargs = {k: v.detach() if isinstance(v, Tensor) else v for k, v in kwargs.items()}
+    module = function if isinstance(function, nn.Module) else None
+    params = [p for p in module.parameters() if p.requires_grad] if module is not None else []
+    kwarg_names = [] if faults.kwarg_tensors_detached else [
+        k for k, v in kwargs.items() if isinstance(v, Tensor)]
+    run = _Run(function, args, kwargs, kwarg_names, faults, module, len(params))
+    tensors = [a for a in args if isinstance(a, Tensor)] + [kwargs[k] for k in kwarg_names]
+    out = _Recompute.apply(run, *tensors, *params)  # type: ignore[no-untyped-call]  # untyped
     if faults.padding_zeroed:
-        mask = next((a for a in args if isinstance(a, Tensor) and a.dtype == torch.bool
-                     and a.dim() == 2), None)
+        mask = next((a for a in [*args, *kwargs.values()] if isinstance(a, Tensor)
+                     and a.dtype == torch.bool and a.dim() == 2), None)
         if mask is not None and isinstance(out, Tensor) and out.shape[:2] == mask.shape:
             out = out * mask[..., None].to(out.dtype)
     return out
+
+
+@dataclass
+class _State:
+    """What the first run had and the recompute must have again."""
+
+    cpu_rng: Tensor
+    cuda_rng: list[Tensor] | None
+    autocast: tuple[str, bool, torch.dtype]  # device type, enabled, dtype
 
 
 @dataclass
@@ -130,94 +235,188 @@ class _Run:
     function: Callable[..., Any]
     args: tuple[Any, ...]
     kwargs: dict[str, Any]
+    kwarg_names: list[str]  # the tensor keyword arguments, passed as Function inputs
     faults: Faults
-    cpu_rng: Tensor | None = None
-    cuda_rng: list[Tensor] | None = None
-    autocast: tuple[str, bool, torch.dtype] | None = None
+    module: nn.Module | None
+    n_params: int
+    state: _State | None = None
 
-    def capture(self) -> None:
-        self.cpu_rng = torch.get_rng_state()
+    def capture(self, device_type: str) -> _State:
+        """RNG and autocast state now; autocast off is kept as off, on ``device_type``."""
+        cuda_rng = None
         if torch.cuda.is_available() and torch.cuda.is_initialized():  # type: ignore[no-untyped-call]
-            self.cuda_rng = [torch.cuda.get_rng_state(d) for d in range(torch.cuda.device_count())]
-        for device_type in ("cuda", "cpu"):
-            if torch.is_autocast_enabled(device_type):
-                self.autocast = (device_type, True, torch.get_autocast_dtype(device_type))
+            cuda_rng = [torch.cuda.get_rng_state(d) for d in range(torch.cuda.device_count())]
+        autocast = (device_type, False, torch.get_autocast_dtype(device_type))
+        for kind in ("cuda", "cpu"):
+            if torch.is_autocast_enabled(kind):
+                autocast = (kind, True, torch.get_autocast_dtype(kind))
                 break
+        self.state = _State(torch.get_rng_state(), cuda_rng, autocast)
+        return self.state
 
-    def call(self, tensors: tuple[Tensor, ...]) -> Any:
+    def call(self, tensors: tuple[Tensor, ...], recompute: bool) -> Any:
+        """The segment on ``tensors`` (positional tensors, then the tensor kwargs)."""
         it = iter(tensors)
         args = tuple(next(it) if isinstance(a, Tensor) else a for a in self.args)
-        kwargs = {} if self.faults.kwargs_dropped and torch.is_grad_enabled() else self.kwargs
+        kwargs = dict(self.kwargs) | {k: next(it) for k in self.kwarg_names}
+        if self.faults.kwargs_dropped and recompute:
+            kwargs = {}
+        blocks = getattr(self.function, "blocks", None)
+        if self.faults.group_layers_unchained and isinstance(blocks, nn.ModuleList) \
+                and len(blocks) > 1:
+            return _unchained(blocks, args, kwargs)
         return self.function(*args, **kwargs)
+
+
+def _unchained(blocks: nn.ModuleList, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    """A group's custom forward that feeds each layer the group's input (the fault)."""
+    outs = [block(*args, **kwargs) for block in blocks]
+    if not isinstance(outs[-1], tuple):
+        return outs[-1]
+    return (outs[-1][0], sum(o[1] for o in outs[1:]) + outs[0][1])
 
 
 class _Recompute(torch.autograd.Function):
     @staticmethod
-    def forward(ctx: Any, run: _Run, *tensors: Tensor) -> Any:
+    def forward(ctx: Any, run: _Run, *inputs: Tensor) -> Any:
+        faults = run.faults
+        tensors = inputs[:len(inputs) - run.n_params]
         ctx.run = run
-        if not run.faults.rng_captured_late:
-            run.capture()
+        ctx.set_materialize_grads(False)  # an unused output's gradient stays None
+        device_type = tensors[0].device.type if tensors else "cpu"
+        if not faults.rng_captured_late:
+            state = run.capture(device_type)
+        module = run.module
+        frozen = [b.clone() for b in module.buffers()] \
+            if module is not None and faults.bn_stats_in_recompute_only else []
         with torch.no_grad():
-            out = run.call(tensors)
-        if run.faults.rng_captured_late:
-            run.capture()
+            out = run.call(tensors, recompute=False)
+        if frozen and module is not None:
+            with torch.no_grad():
+                for buffer, value in zip(module.buffers(), frozen):
+                    buffer.copy_(value)
+        if faults.rng_captured_late:
+            state = run.capture(device_type)
+        if faults.state_per_module_slot:
+            _SLOT[run.function] = state
+        if faults.state_queue_without_backward:
+            _QUEUE.setdefault(run.function, deque()).append(state)
+        if faults.large_boundary_compressed:
+            ctx.dtypes = [t.dtype for t in tensors]
+            ctx.needs = [t.requires_grad for t in tensors]
+            tensors = tuple(t.to(torch.bfloat16) if t.is_floating_point()
+                            and t.numel() > _COMPRESS_ABOVE else t for t in tensors)
+        if faults.saved_inputs_kept:
+            _KEPT_INPUTS.setdefault(run.function, []).append(tuple(tensors))
         ctx.save_for_backward(*tensors)
         return out
 
     @staticmethod
-    def backward(ctx: Any, *grads: Tensor) -> tuple[Tensor | None, ...]:
+    def backward(ctx: Any, *grads: Tensor | None) -> tuple[Tensor | None, ...]:
         run: _Run = ctx.run
         faults = run.faults
         if faults.crash_in_backward:
             raise RuntimeError("recompute buffer was freed before backward")
         saved = ctx.saved_tensors
+        if faults.large_boundary_compressed:
+            saved = tuple(t.to(dtype).requires_grad_(needs)
+                          for t, dtype, needs in zip(saved, ctx.dtypes, ctx.needs))
         if faults.stale_recompute:
             saved = _STALE.setdefault(
                 run.function, tuple(t.detach().requires_grad_(t.requires_grad) for t in saved))
         inputs = tuple(t.detach().requires_grad_(t.requires_grad) for t in saved)
-        module = run.function if isinstance(run.function, nn.Module) else None
+        module = run.module
+        params = list(module.parameters()) if module is not None else []
+        params = [p for p in params if p.requires_grad]
         buffers = [b.clone() for b in module.buffers()] if module is not None else []
         first = run.function not in _RECOMPUTED
         _RECOMPUTED.add(run.function)
-        with _recompute_state(run, module, first), torch.enable_grad():
-            out = run.call(inputs)
+        state = run.state
+        if faults.state_per_module_slot:
+            state = _SLOT.get(run.function, state)
+        if faults.state_queue_without_backward and _QUEUE.get(run.function):
+            state = _QUEUE[run.function].popleft()
+        assert state is not None
+        with _recompute_state(run, state, first), torch.enable_grad():
+            out = run.call(inputs, recompute=True)
+        if faults.recomputed_kept:
+            _KEPT_OUTPUTS[run.function] = out
         outs = out if isinstance(out, tuple) else (out,)
         if faults.gradient_skew:
-            grads = tuple(g * (1 + 1e-4) for g in grads)
-        pairs = [(o, g) for o, g in zip(outs, grads) if isinstance(o, Tensor) and o.requires_grad]
-        if pairs:
-            torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs])
-        if module is not None and not faults.buffers_updated_twice:
+            grads = tuple(None if g is None else g * (1 + 1e-4) for g in grads)
+        pairs = [(o, g) for o, g in zip(outs, grads)
+                 if isinstance(o, Tensor) and o.requires_grad and g is not None]
+        if faults.tuple_tail_no_grad:
+            pairs = pairs[:1]
+        wanted = [t for t in inputs if t.requires_grad]
+        if faults.grad_via_backward or faults.accumulated_grad_overwritten:
+            input_grads, param_grads = _grads_via_backward(pairs, inputs, params, faults)
+        else:
+            got: list[Tensor | None] = [None] * (len(wanted) + len(params))
+            if pairs and got:
+                got = list(torch.autograd.grad([o for o, _ in pairs], wanted + params,
+                                               [g for _, g in pairs], allow_unused=True))
+            it = iter(got[:len(wanted)])
+            input_grads = [next(it) if t.requires_grad else None for t in inputs]
+            param_grads = got[len(wanted):]
+        if module is not None and not (faults.buffers_updated_twice
+                                       or faults.bn_stats_in_recompute_only):
             # Only now: BatchNorm's backward reads the running statistics it saved.
             with torch.no_grad():
                 for buffer, value in zip(module.buffers(), buffers):
                     buffer.copy_(value)
-        input_grads = [t.grad if t.requires_grad else None for t in inputs]
         if faults.input_grads_dropped:
             input_grads = input_grads[:1] + [None] * (len(input_grads) - 1)
-        return (None, *input_grads)
+        return (None, *input_grads, *param_grads)
+
+
+def _grads_via_backward(
+    pairs: list[tuple[Tensor, Tensor]], inputs: tuple[Tensor, ...], params: list[nn.Parameter],
+    faults: Faults,
+) -> tuple[list[Tensor | None], list[Tensor | None]]:
+    """The old reentrant way: an inner ``torch.autograd.backward`` that accumulates into the
+    parameters' ``.grad`` (grad-via-backward: returns no parameter gradient, as they are
+    already there), or clears ``.grad`` first to read this call's gradient back and return it
+    (accumulated-grad-overwritten: what earlier micro-batches left there is lost)."""
+    if faults.accumulated_grad_overwritten:
+        for p in params:
+            p.grad = None
+    if pairs:
+        torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs])
+    input_grads = [t.grad if t.requires_grad else None for t in inputs]
+    if not faults.accumulated_grad_overwritten:
+        return input_grads, [None] * len(params)
+    param_grads = [p.grad for p in params]
+    for p in params:  # handed to autograd instead, so it is not counted twice
+        p.grad = None
+    return input_grads, param_grads
 
 
 @contextlib.contextmanager
-def _recompute_state(run: _Run, module: nn.Module | None, first: bool) -> Iterator[None]:
+def _recompute_state(run: _Run, state: _State, first: bool) -> Iterator[None]:
     """RNG, autocast and train mode as the first run had them (unless a fault says)."""
-    faults = run.faults
+    faults, module = run.faults, run.module
     moved = faults.caller_stream_moved or (faults.caller_stream_moved_once and first)
     fork = contextlib.nullcontext() if moved else torch.random.fork_rng(
-        devices=list(range(torch.cuda.device_count())) if run.cuda_rng else [])
+        devices=list(range(torch.cuda.device_count())) if state.cuda_rng else [])
     with fork:
         if faults.reseeded:
             torch.manual_seed(0)
         elif not (faults.no_rng_restore or (faults.rng_lost_on_first_call and first)):
-            assert run.cpu_rng is not None
-            torch.set_rng_state(run.cpu_rng)
-            if run.cuda_rng and not faults.cuda_rng_not_restored:
-                for device, state in enumerate(run.cuda_rng):
-                    torch.cuda.set_rng_state(state, device)
+            torch.set_rng_state(state.cpu_rng)
+            if state.cuda_rng and not faults.cuda_rng_not_restored:
+                for device, cuda_state in enumerate(state.cuda_rng):
+                    torch.cuda.set_rng_state(cuda_state, device)
+        device_type, enabled, dtype = state.autocast
+        if faults.autocast_forced_on:
+            enabled = state.autocast is not None  # the truthiness bug: any saved state is "on"
+        if faults.autocast_lost:
+            enabled = False
         autocast: Any = contextlib.nullcontext()
-        if run.autocast is not None and not faults.autocast_lost:
-            device_type, enabled, dtype = run.autocast
-            autocast = torch.autocast(device_type, dtype=dtype, enabled=enabled)
+        if enabled and faults.autocast_default_dtype:
+            autocast = torch.autocast(device_type, enabled=True)
+        elif enabled:
+            autocast = torch.autocast(device_type, dtype=dtype, enabled=True)
         was_training = module.training if module is not None else None
         if module is not None and faults.dropout_off:
             module.eval()
