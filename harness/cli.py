@@ -101,6 +101,8 @@ def build_parser() -> argparse.ArgumentParser:
     mutants.add_argument("--examples", type=_count("--examples"), default=20, metavar="N",
                          help="examples per property for each implementation (default 20)")
     mutants.add_argument("--seed", type=_seed("--seed"), default=0, metavar="S")
+    mutants.add_argument("--mutant", action="append", default=None, metavar="NAME",
+                         help="run only this mutant (repeatable); the correct ones always run")
     mutants.add_argument("--device", choices=DEVICES, default="auto")
     mutants.add_argument("--report-dir", type=Path, default=None, metavar="DIR",
                          help="write DIR/mutants.json and DIR/mutants.md")

@@ -34,25 +34,53 @@ def test_every_mutant_is_caught(mutant: Mutant) -> None:
     pytest.fail(f"{mutant.name} survived all {len(CASES)} cases")
 
 
-def test_the_mutants_command_catches_all_and_passes_the_correct(tmp_path: object) -> None:
+def _mutants_command(folder: object, *args: str) -> dict:
     import json
     from pathlib import Path
 
     from gradequiv.harness.cli import main
 
-    folder = Path(str(tmp_path))
-    assert main(["mutants", "--examples", "5", "--report-dir", str(folder)]) == 0
-    report = json.loads((folder / "mutants.json").read_text())
-    summary = report["summary"]
-    assert summary["killed"] == summary["valid"] == len([m for m in MUTANTS if not m.cuda_only])
-    assert summary["correct_pass"] is True and report["verdict"] == "pass"
-    roles = {o["name"]: o["status"] for o in report["outcomes"]}
-    assert roles["torch"] == "passed" and roles["stale-recompute"] == "caught"
+    folder = Path(str(folder))
+    assert main(["mutants", "--report-dir", str(folder), *args]) == 0
+    report: dict = json.loads((folder / "mutants.json").read_text())
+    assert report["summary"]["correct_pass"] is True and report["verdict"] == "pass"
     assert report["complete"] is True
     from gradequiv.harness.reports.markdown import mutants_markdown
 
     markdown = (folder / "mutants.md").read_text()
     assert markdown.startswith("**Mutation score") and markdown == mutants_markdown(report)
+    return report
+
+
+#: One mutant caught by a plain case, and two that only the new case kinds reach.
+FEW = ("stale-recompute", "grad-via-backward", "state-queue-without-backward")
+
+
+def test_the_mutants_command_catches_the_chosen_and_passes_the_correct(
+        tmp_path: object) -> None:
+    report = _mutants_command(tmp_path, "--examples", "3",
+                              *(a for name in FEW for a in ("--mutant", name)))
+    roles = {o["name"]: o["status"] for o in report["outcomes"]}
+    assert roles == {"torch": "passed", "torch-reentrant": "passed", "torch-patched": "passed",
+                     "reference_checkpoint": "passed"} | dict.fromkeys(FEW, "caught")
+    sources = {o["name"]: o["source"] for o in report["outcomes"]}
+    assert sources["grad-via-backward"].startswith("https://github.com/")
+    assert report["summary"]["killed"] == report["summary"]["valid"] == len(FEW)
+
+
+def test_an_unknown_mutant_name_is_a_usage_error(capsys: pytest.CaptureFixture[str]) -> None:
+    from gradequiv.harness.cli import main
+
+    assert main(["mutants", "--mutant", "no-such-fault"]) == 2
+    assert "--mutant='no-such-fault' is not a mutant" in capsys.readouterr().err
+
+
+@pytest.mark.mutants
+def test_the_mutants_command_catches_all_and_passes_the_correct(tmp_path: object) -> None:
+    report = _mutants_command(tmp_path, "--examples", "5")
+    summary = report["summary"]
+    assert summary["killed"] == summary["valid"] == len([m for m in MUTANTS if not m.cuda_only])
+    assert summary["valid"] >= 27
 
 
 def test_an_interrupted_mutants_run_keeps_what_finished(tmp_path: object,

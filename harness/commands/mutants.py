@@ -16,7 +16,8 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from gradequiv.harness.implementations.faults import MUTANTS
+from gradequiv.harness.errors import InvalidArgument
+from gradequiv.harness.implementations.faults import MUTANTS, Mutant
 from gradequiv.harness.options import SuiteRun, check_options
 from gradequiv.harness.reports.files import write_json_atomic, write_text_atomic
 from gradequiv.harness.reports.markdown import mutants_markdown
@@ -24,10 +25,12 @@ from gradequiv.harness.reports.tables import mutants_summary
 from gradequiv.models import DRAWN_MODELS
 from gradequiv.models.kinds import TRANSFORMER
 
-#: Correct implementations the suite must pass: torch's two, and the mutants' base.
+#: Correct implementations the suite must pass: torch's two, its checkpoint patched into
+#: each segment (whose recompute no hook sees), and the mutants' base.
 CORRECT = {
     "torch": (TRANSFORMER,),
     "torch-reentrant": (TRANSFORMER,),
+    "torch-patched": (TRANSFORMER,),
     # torch's checkpoint updates BatchNorm statistics twice; the base restores them.
     "gradequiv.harness.implementations.faults:reference_checkpoint": DRAWN_MODELS,
 }
@@ -45,6 +48,7 @@ class Outcome:
     examples: int  # cases verified up to and including the first failure
     seconds: float
     models: str
+    source: str = ""  # a mutant's real-world report (issue or PR); "" for correct ones
 
 
 def run_suite(spec: str, models: tuple[str, ...], *, seed: int, examples: int,
@@ -69,8 +73,9 @@ def _first_failure(report: dict[str, Any]) -> tuple[str, int]:
 
 
 def run_all(*, seed: int = 0, examples: int = 20, device: str = "cpu",
-            progress: Any = print, after_each: Any = None) -> list[Outcome]:
-    """Baseline first, then every mutant; one Outcome each.
+            progress: Any = print, after_each: Any = None,
+            mutants: tuple[Mutant, ...] = MUTANTS) -> list[Outcome]:
+    """Baseline first, then every mutant (or those given); one Outcome each.
 
     ``after_each(outcomes)`` runs after every outcome (the command writes the
     report there, so an interrupted run keeps what finished).
@@ -85,12 +90,12 @@ def run_all(*, seed: int = 0, examples: int = 20, device: str = "cpu",
                                 len(report.get("cases", [])), time.perf_counter() - started,
                                 ",".join(models)))
         _report(outcomes, progress, after_each)
-    for mutant in MUTANTS:
+    for mutant in mutants:
         spec = f"{MODULE}:{mutant.name.replace('-', '_')}"
         if mutant.cuda_only and device != "cuda":
             outcomes.append(Outcome(mutant.name, spec, "mutant", "skipped",
                                     "needs CUDA (the fault is in the CUDA generator)", 0, 0.0,
-                                    ",".join(MUTANT_MODELS)))
+                                    ",".join(MUTANT_MODELS), mutant.source))
             _report(outcomes, progress, after_each)
             continue
         started = time.perf_counter()
@@ -99,7 +104,8 @@ def run_all(*, seed: int = 0, examples: int = 20, device: str = "cpu",
         test, count = _first_failure(report)
         status = "caught" if code == 1 else "survived"
         outcomes.append(Outcome(mutant.name, spec, "mutant", status, test, count,
-                                time.perf_counter() - started, ",".join(MUTANT_MODELS)))
+                                time.perf_counter() - started, ",".join(MUTANT_MODELS),
+                                mutant.source))
         _report(outcomes, progress, after_each)
     return outcomes
 
@@ -141,13 +147,26 @@ def write(folder: Path, outcomes: list[Outcome], summary: dict[str, Any],
     write_text_atomic(folder / "mutants.md", mutants_markdown(data))
 
 
+def select(names: list[str] | None) -> tuple[Mutant, ...]:
+    """The mutants ``--mutant`` names (every one without it); an unknown name is exit 2."""
+    if not names:
+        return MUTANTS
+    known = {m.name: m for m in MUTANTS}
+    unknown = [n for n in names if n not in known]
+    if unknown:
+        raise InvalidArgument(f"--mutant={unknown[0]!r} is not a mutant; known: "
+                              f"{', '.join(known)}")
+    return tuple(known[n] for n in dict.fromkeys(names))
+
+
 def run(args: Any) -> int:
     """The mutants command: exit 0 when every mutant is caught and every correct one passes."""
     from gradequiv.harness.engine.devices import resolve_device
     from gradequiv.harness.reports.report import run_conditions
 
     device = resolve_device(args.device)
-    print(f"gradequiv mutants: {len(MUTANTS)} mutants, {len(CORRECT)} correct "
+    chosen = select(args.mutant)
+    print(f"gradequiv mutants: {len(chosen)} mutants, {len(CORRECT)} correct "
           f"implementations first; {args.examples} examples per property, seed {args.seed}, "
           f"{device}", flush=True)
     conditions = run_conditions(device, args.seed)
@@ -157,7 +176,8 @@ def run(args: Any) -> int:
             write(args.report_dir, outcomes, score(outcomes), conditions, complete=False)
 
     outcomes = run_all(seed=args.seed, examples=args.examples, device=device.type,
-                       progress=lambda line: print(line, flush=True), after_each=write_partial)
+                       progress=lambda line: print(line, flush=True), after_each=write_partial,
+                       mutants=chosen)
     summary = score(outcomes)
     print(mutants_summary(report(outcomes, summary, conditions)))
     if args.report_dir is not None:

@@ -46,9 +46,9 @@ def mutants_table(mutants: dict[str, Any]) -> Table:
     outcomes = mutants["outcomes"]
     return Table(
         ["role", "implementation", "result", "caught by", "cases (mutants: until caught)",
-         "seconds"],
+         "seconds", "source"],
         [[o["role"], o["name"], o["status"], o["caught_by"] or "-", str(o["examples"]),
-          f"{o['seconds']:.1f}"] for o in outcomes],
+          f"{o['seconds']:.1f}", o.get("source") or "-"] for o in outcomes],
         ["fail" if o["status"] in _AGAINST else "" for o in outcomes])
 
 
