@@ -1,8 +1,10 @@
-"""How fast the property suite finds a recompute without RNG restore (pytest-benchmark).
+"""How fast the property suite finds broken recomputes (pytest-benchmark).
 
 For each of several seeds, draw cases as the suite does (``cases()``, no
 shrinking) and count the examples until ``preserve_rng_state=False`` fails
-the gradients property; ``extra_info`` holds the median and the worst.
+the gradients property; ``extra_info`` holds the median and the worst. The
+same for each mutant of the fault library's newer families: the examples
+until any property fails, and which property fails first most often.
 """
 
 from __future__ import annotations
@@ -12,7 +14,9 @@ from typing import Any
 
 from hypothesis import Phase, given, seed, settings
 
-from gradequiv.harness import resolve, verify
+from gradequiv.harness import Implementation, resolve, verify
+from gradequiv.harness.implementations.faults import MUTANTS
+from gradequiv.models import DRAWN_MODELS
 from gradequiv.properties.strategies import cases
 
 SEEDS = range(12)
@@ -53,3 +57,55 @@ def test_examples_until_no_rng_restore_is_caught(benchmark: Any) -> None:
                                  "worst": max(caught) if caught else None,
                                  "never_caught": found.count(-1)})
     print(f"\nexamples until caught, per seed: {found}; median {statistics.median(caught)}")
+
+
+#: The families drawn cases reach since cases train as real training does.
+NEW_FAMILIES = ("autocast-default-dtype", "autocast-forced-on", "grad-via-backward",
+                "accumulated-grad-overwritten", "kwarg-tensors-detached", "tuple-tail-no-grad",
+                "state-per-module-slot", "state-queue-without-backward", "recomputed-kept",
+                "saved-inputs-kept", "large-boundary-compressed", "group-layers-unchained",
+                "bn-stats-in-recompute-only")
+MUTANT_SEEDS = range(5)
+
+
+def first_failure(impl: Implementation, run_seed: int, limit: int = 60) -> tuple[int, str]:
+    """Examples drawn until some property fails, and that property; (-1, "") if none."""
+    count, found = 0, (-1, "")
+
+    @settings(max_examples=limit, database=None, deadline=None, phases=[Phase.generate])
+    @seed(run_seed)
+    @given(case=cases(models=DRAWN_MODELS))
+    def search(case: Any) -> None:
+        nonlocal count, found
+        count += 1
+        failing = [p.name for p in verify(impl, case).properties if p.passed is False]
+        if failing and found[0] < 0:
+            found = (count, failing[0])
+        assert not failing
+
+    try:
+        search()
+    except AssertionError:
+        pass
+    return found
+
+
+def test_examples_until_each_new_family_is_caught(benchmark: Any) -> None:
+    rows: dict[str, dict[str, Any]] = {}
+
+    def all_mutants() -> None:
+        for mutant in (m for m in MUTANTS if m.name in NEW_FAMILIES):
+            impl = Implementation(mutant.name, mutant.impl)
+            found = [first_failure(impl, s) for s in MUTANT_SEEDS]
+            caught = [n for n, _ in found if n > 0]
+            names = [p for _, p in found if p]
+            rows[mutant.name] = {
+                "examples_per_seed": [n for n, _ in found],
+                "median": statistics.median(caught) if caught else None,
+                "property": max(set(names), key=names.count) if names else None}
+
+    benchmark.pedantic(all_mutants, rounds=1, iterations=1)
+    benchmark.extra_info.update(rows)
+    for name, row in rows.items():
+        print(f"\n{name}: caught by {row['property']}, median {row['median']} examples "
+              f"(per seed {row['examples_per_seed']})", end="")
