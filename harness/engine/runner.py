@@ -4,10 +4,16 @@ A path (set up by :mod:`.path`) is: build the workload from the case's seed
 (so every path starts from the same weights and batch), route the selected
 segments through the implementation (or call them plainly: the full-storage
 path), then train for ``case.steps`` optimizer steps from one seeded random
-stream. Observed per step: loss, outputs, every parameter and input gradient
-(``None`` kept as ``None``), buffers, RNG state, and how often each segment's
-forward ran in the forward and in the backward phase; once: the activation
-bytes held for backward after the first forward, and the final parameters.
+stream, asking for gradients as the case says (``loss.backward()``,
+``torch.autograd.grad``, or two micro-batches accumulated), after an eval and
+a ``no_grad`` forward where the case has them. Observed per step: loss,
+outputs, every parameter and input gradient (``None`` kept as ``None``), any
+``.grad`` that ``torch.autograd.grad`` changed, buffers, RNG state, how often
+each segment's forward ran in the forward and in the backward phase, and on
+the recompute path the backward ops that read its parameters; once: the
+activation bytes held for backward after the first forward, those the first
+step left alive after its backward, the eval and ``no_grad`` outputs, and the
+final parameters.
 
 An exception raised by the implementation is caught here and kept with its
 traceback: it becomes a failed verdict, never a crash of the harness.
