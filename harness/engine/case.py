@@ -104,8 +104,8 @@ class Case:
         rand = f"random: {', '.join(sites)}" if sites else "no random ops"
         if isinstance(m, TransformerConfig):
             size += "".join(f", {label}" for knob, label in _SHAPE_KNOBS.items()
-                            if getattr(m, knob, False))
-            size += f", each layer x{m.layer_repeats}" if getattr(m, "layer_repeats", 1) > 1 else ""
+                            if getattr(m, knob))
+            size += f", each layer x{m.layer_repeats}" if m.layer_repeats > 1 else ""
         return (f"{size}, {self.granularity}, {self.dtype}{self._training()}, {rand}, "
                 f"seed {self.seed}")
 
