@@ -7,7 +7,7 @@ from pathlib import Path
 from typing import Any
 
 from gradequiv.harness.errors import InvalidArgument
-from gradequiv.harness.reports.files import RENDERED
+from gradequiv.harness.reports.files import RENDERED, REPORT_FILE
 
 #: Output formats and their default file names.
 FORMATS = RENDERED
@@ -18,12 +18,12 @@ def run(args: Any) -> int:
     from gradequiv.harness.reports.bundle import load_bundle
     from gradequiv.harness.reports.files import write_text_atomic
 
-    bundle = load_bundle(args.folder)
     foreign, partial = (None, None) if args.require_run is None else \
-        run_problems(bundle.report, args.require_run)
-    if foreign is not None:  # another run's verdict is never rendered as this one's
+        run_problems(_raw_report(args.folder), args.require_run)
+    if foreign is not None:  # another run's verdict is never rendered (or read) as this one's
         print(f"gradequiv report: {foreign}", file=sys.stderr)
         return 1
+    bundle = load_bundle(args.folder)
     formats = list(FORMATS) if args.format == "all" else [args.format]
     if args.output is not None and len(formats) > 1:
         raise InvalidArgument(f"--output={args.output!r} names one file but --format=all "
@@ -60,6 +60,18 @@ def run_problems(report: dict[str, Any] | None, run_id: str) -> tuple[str | None
     if not report.get("complete"):
         return None, f"report.json of run {run_id} is incomplete: the run stopped before the end"
     return None, None
+
+
+def _raw_report(folder: Path) -> dict[str, Any] | None:
+    """report.json as it is, before the schema is checked (None when absent or not JSON):
+    enough to tell whose run wrote it."""
+    import json
+
+    try:
+        data = json.loads((folder / REPORT_FILE).read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    return data if isinstance(data, dict) else None
 
 
 def render(name: str, bundle: Any) -> str:

@@ -6,6 +6,7 @@ this, never from a live run, so what CI shows is what the JSON says.
 
 from __future__ import annotations
 
+import functools
 import json
 from dataclasses import dataclass
 from importlib.resources import files
@@ -13,8 +14,9 @@ from pathlib import Path
 from typing import Any
 
 from gradequiv.harness.errors import InvalidArgument
+from gradequiv.harness.reports.schema_check import Validator
 
-__all__ = ["ReportBundle", "load_bundle", "report_schema"]
+__all__ = ["ReportBundle", "check_report", "load_bundle", "report_schema"]
 
 
 def report_schema() -> dict[str, Any]:
@@ -22,6 +24,28 @@ def report_schema() -> dict[str, Any]:
     text = files("gradequiv.harness.reports").joinpath("report.schema.json").read_text("utf-8")
     schema: dict[str, Any] = json.loads(text)
     return schema
+
+
+@functools.cache
+def _report_validator() -> Validator:
+    return Validator(report_schema())
+
+
+def check_report(data: Any, path: Path) -> None:
+    """Refuse ``data`` (read from ``path``) unless it is a report.json of schema version 1:
+    an exit-2 error, one line, names the file, where the first problem is, the rule it
+    breaks, and the fix."""
+    try:
+        problem = _report_validator().first_problem(data)
+    except RecursionError:
+        what = "at $: it is nested too deeply to be a report"
+    else:
+        if problem is None:
+            return
+        what = str(problem).replace("\n", "\\n").replace("\r", "\\r")  # one line, always
+    raise InvalidArgument(f"{str(path)!r} is not a valid report (schema version 1): {what}; "
+                          f"it was not written by this gradequiv version's check, or was "
+                          f"edited: re-run `gradequiv check --report-dir {path.parent}`")
 
 
 @dataclass
@@ -62,9 +86,11 @@ def load_bundle(folder: Path | str) -> ReportBundle:
             continue
         try:
             data = json.loads(path.read_text(encoding="utf-8"))
-        except (OSError, json.JSONDecodeError) as exc:
+        except (OSError, UnicodeDecodeError, json.JSONDecodeError, RecursionError) as exc:
             raise InvalidArgument(f"{str(path)!r} is not readable JSON ({exc}); re-run "
                                   f"`gradequiv {command}` to write it again") from exc
+        if attr == "report" and (not isinstance(data, dict) or data.get("schema_version") == 1):
+            check_report(data, path)  # never render a report that breaks its schema
         version = data.get("schema_version") if isinstance(data, dict) else None
         if version != 1:
             raise InvalidArgument(f"{str(path)!r} has schema_version={version!r}; this "
