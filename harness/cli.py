@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import importlib
+import os
 import signal
 import sys
 import threading
@@ -28,6 +29,8 @@ from gradequiv.harness.options import ADAPTERS, DEVICES, PROFILES, CheckOptions,
 from gradequiv.harness.reports.files import RENDERED
 
 _DEFAULT_GRANULARITIES = ("none", "layer", "every:2", "group:2", "attention", "mlp")
+#: seconds without progress (no case finished or started) after which a check run fails
+CASE_TIMEOUT_S = 600
 
 
 class _Parser(argparse.ArgumentParser):
@@ -43,6 +46,11 @@ def _count(flag: str) -> Callable[[str], int]:
 
 def _seed(flag: str) -> Callable[[str], int]:
     return validate.as_argparse_type(validate.seed, flag)
+
+
+def _seconds(flag: str) -> Callable[[str], int]:
+    return validate.as_argparse_type(lambda name, value: validate.whole_number(
+        name, value, low=0), flag)
 
 
 def _tolerance(flag: str) -> Callable[[str], float]:
@@ -96,6 +104,15 @@ def build_parser() -> argparse.ArgumentParser:
                        help="write DIR/report.json")
     check.add_argument("--no-shrink", action="store_true",
                        help="report each failing example as found, without shrinking it")
+    check.add_argument("--case-timeout", type=_seconds("--case-timeout"),
+                       default=CASE_TIMEOUT_S, metavar="SECONDS",
+                       help="fail the run when the implementation makes no progress for "
+                            f"this long: a case that hangs (default {CASE_TIMEOUT_S}; 0: no "
+                            "limit)")
+    check.add_argument("--in-process", action="store_true",
+                       help="run the implementation in this process, not in a supervised "
+                            "child (for a debugger; an implementation that exits or hangs "
+                            "then ends or stalls the run itself)")
     mutants = commands.add_parser(
         "mutants", help="prove the suite catches every deliberately broken implementation")
     mutants.add_argument("--examples", type=_count("--examples"), default=20, metavar="N",
@@ -156,13 +173,44 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Run one command; its exit code. A supervised child tells its supervisor the code."""
+    from gradequiv.harness.commands.supervise import ChildChannel
+
+    channel = ChildChannel.from_environment()
+    code = _run(sys.argv[1:] if argv is None else argv, channel)
+    if channel is not None:
+        channel.ended(code)
+    return code
+
+
+def entry() -> NoReturn:
+    """The console script: main, and an exit that does not wait for threads an
+    implementation left running (they would hang the process after its verdict)."""
+    code = main()
+    stray = [t.name for t in threading.enumerate()
+             if t is not threading.main_thread() and t.is_alive() and not t.daemon]
+    if stray:
+        print(f"gradequiv: warning: the implementation left {len(stray)} thread(s) running "
+              f"({', '.join(stray)}); exiting without waiting for them", file=sys.stderr)
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+    sys.exit(code)
+
+
+def _run(argv: list[str], channel: Any) -> int:
     try:
         args = build_parser().parse_args(argv)
         with _sigterm_as_interrupt():  # a CI timeout or cancel ends like Ctrl-C
             if args.command == "check":
+                options = options_from_args(args)
+                if not args.in_process:
+                    from gradequiv.harness.commands import supervise
+
+                    return supervise.run(options, argv, case_timeout=args.case_timeout)
                 from gradequiv.harness.commands import check
 
-                return check.run(options_from_args(args))
+                return check.run(options, observer=channel)
             module = _MODULES[args.command]
             command = importlib.import_module(f"gradequiv.harness.commands.{module}")
             return int(command.run(args))
@@ -198,6 +246,7 @@ def _sigterm_as_interrupt() -> Iterator[None]:
         return
 
     def interrupt(signum: int, frame: Any) -> None:
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)  # once: the report is being written
         raise KeyboardInterrupt
 
     previous = signal.signal(signal.SIGTERM, interrupt)
@@ -208,4 +257,4 @@ def _sigterm_as_interrupt() -> Iterator[None]:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    entry()

@@ -163,3 +163,5 @@ class SuiteRun:
 
     options: CheckOptions
     implementation: Any = None
+    #: watches the run from outside (``properties.runtime.RunObserver``), or None
+    observer: Any = None

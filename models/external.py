@@ -12,7 +12,9 @@ layers) reaches the shell the same way.
 
 A factory is ``f(seed: int) -> UserModel``, named ``package.module:attr``
 like an implementation; it must build the same model and batch for the same
-seed.
+seed (:func:`reproducibility_problem` builds it twice to see): every path of a
+case builds its own, and a factory that draws from anything but its seed makes
+the two full-storage runs differ, a noise floor that hides recompute's errors.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+import torch
 from torch import Tensor, nn
 
 from gradequiv.harness.errors import InvalidArgument
@@ -36,7 +39,8 @@ from gradequiv.models.segments import (
     layer_segments,
 )
 
-__all__ = ["ExternalConfig", "ExternalModel", "UserModel", "load_user_model"]
+__all__ = ["ExternalConfig", "ExternalModel", "UserModel", "load_user_model",
+           "reproducibility_problem"]
 
 
 @dataclass(frozen=True)
@@ -149,3 +153,100 @@ def load_user_model(config: ExternalConfig, seed: int) -> UserModel:
     if not isinstance(built.inputs, tuple):
         built.inputs = tuple(built.inputs)
     return built
+
+
+def reproducibility_problem(config: ExternalConfig, seed: int = 0) -> str | None:
+    """Build the user's model twice from ``seed``, as every path of a case builds it, and say
+    what differs between the two builds (None: nothing).
+
+    Compared bitwise, on the CPU: the parameters and buffers (names, shapes, dtypes,
+    values), the inputs and the targets, the segments; and the two builds must not share a
+    parameter or buffer, since each path trains its own. A factory that draws from the
+    global generator is fine: the harness seeds it with ``seed`` before each call.
+    """
+    first, second = (_seeded_build(config, seed) for _ in range(2))
+    shared = _shared_tensor(first, second)
+    if shared is not None:
+        return (f"--model={config.factory!r} is not reproducible: two builds with seed {seed} "
+                f"share {shared} (the same tensor in both); the factory must build a new model "
+                f"on every call, since each path of a case trains its own")
+    difference = _first_difference(first, second)
+    if difference is None:
+        return None
+    return (f"--model={config.factory!r} is not reproducible: two builds with seed {seed} "
+            f"differ in {difference}; the factory must seed every random draw from its seed "
+            f"argument (e.g. torch.manual_seed(seed) or a torch.Generator), or gradequiv "
+            f"cannot tell recompute noise from model noise")
+
+
+def _seeded_build(config: ExternalConfig, seed: int) -> UserModel:
+    """The factory called as the workload's build calls it: the global CPU generator seeded
+    with ``seed`` for the call, and put back after."""
+    with torch.random.fork_rng(devices=[]):
+        torch.default_generator.manual_seed(seed)
+        return load_user_model(config, seed)
+
+
+def _shared_tensor(a: UserModel, b: UserModel) -> str | None:
+    """A parameter or buffer two builds hold in common ("parameter NAME"), or None."""
+    for kind, named_a, named_b in _named_tensors(a, b):
+        for name, t in named_a.items():
+            other = named_b.get(name)
+            if other is not None and (t is other or (t.numel() > 0 and
+                                                     t.data_ptr() == other.data_ptr())):
+                return f"{kind} {name}"
+    return None
+
+
+def _named_tensors(a: UserModel, b: UserModel
+                   ) -> list[tuple[str, dict[str, Tensor], dict[str, Tensor]]]:
+    """(kind, build a's tensors by name, build b's) for parameters, then buffers."""
+    return [("parameter", dict(a.model.named_parameters()), dict(b.model.named_parameters())),
+            ("buffer", dict(a.model.named_buffers()), dict(b.model.named_buffers()))]
+
+
+def _first_difference(a: UserModel, b: UserModel) -> str | None:
+    """The first thing two builds do not agree on, as "<what> (<how>)"."""
+    if a.segments != b.segments:
+        return f"the segments ({a.segments} and {b.segments})"
+    for kind, named_a, named_b in _named_tensors(a, b):
+        if list(named_a) != list(named_b):
+            only = [n for n in [*named_a, *named_b] if n not in named_a or n not in named_b]
+            where = f"{only[0]!r} is in one build only" if only else "their order differs"
+            return f"the {kind} names ({where})"
+        for name, t in named_a.items():
+            how = _tensor_difference(t, named_b[name])
+            if how:
+                return f"{kind} {name} ({how})"
+    if len(a.inputs) != len(b.inputs):
+        return f"the inputs ({len(a.inputs)} and {len(b.inputs)} of them)"
+    for i, (x, y) in enumerate(zip(a.inputs, b.inputs)):
+        how = _tensor_difference(x, y)
+        if how:
+            return f"input {i} ({how})"
+    how = _tensor_difference(a.targets, b.targets)
+    return f"the targets ({how})" if how else None
+
+
+def _tensor_difference(a: Tensor | None, b: Tensor | None) -> str:
+    """How two tensors differ ("" if bitwise equal): existence, shape, dtype, requires_grad,
+    then values (NaN equal to NaN in the same place)."""
+    if a is None or b is None:
+        return "" if a is None and b is None else "None in one build, a tensor in the other"
+    for attr in ("shape", "dtype", "requires_grad"):
+        if getattr(a, attr) != getattr(b, attr):
+            return f"{attr} {getattr(a, attr)} and {getattr(b, attr)}"
+    x, y = a.detach().cpu(), b.detach().cpu()
+    if torch.equal(x, y):
+        return ""
+    if x.is_floating_point() or x.is_complex():
+        both_nan = x.isnan() & y.isnan()
+        x, y = x.masked_fill(both_nan, 0), y.masked_fill(both_nan, 0)
+        if torch.equal(x, y):
+            return ""
+    differ = x != y
+    share = f"{int(differ.sum())} of {x.numel()} elements differ"
+    if x.is_floating_point():
+        greatest = (x.double() - y.double()).abs()[differ].max()
+        share += f", greatest difference {float(greatest):.3g}"
+    return share

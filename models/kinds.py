@@ -7,7 +7,8 @@ among the reference models by the same names.
 
 from __future__ import annotations
 
-__all__ = ["BATCHNORM", "DRAWN_MODELS", "EXTERNAL", "GRAD_MODES", "MODEL_KINDS", "TRANSFORMER"]
+__all__ = ["BATCHNORM", "DRAWN_MODELS", "EXTERNAL", "GRAD_MODES", "MODEL_KINDS",
+           "OPT_IN_GRAD_MODES", "TRANSFORMER"]
 
 TRANSFORMER = "transformer"  # the reference transformer (models/transformer.py)
 BATCHNORM = "batchnorm"  # the BatchNorm MLP of the buffers property (models/batchnorm.py)
@@ -20,6 +21,12 @@ MODEL_KINDS = (TRANSFORMER, BATCHNORM, EXTERNAL)
 DRAWN_MODELS = (TRANSFORMER, BATCHNORM)
 
 #: How a case asks for gradients each step, cheapest first: ``loss.backward()``;
-#: ``torch.autograd.grad`` (gradient penalties, meta-learning: no ``.grad`` may be touched);
-#: two micro-batches accumulated before the optimizer step.
-GRAD_MODES = ("backward", "autograd-grad", "accumulate")
+#: ``torch.autograd.grad`` (meta-learning: no ``.grad`` may be touched); two micro-batches
+#: accumulated before the optimizer step; a gradient penalty, whose gradients are taken with
+#: ``create_graph=True`` and backpropagated again (double backward).
+GRAD_MODES = ("backward", "autograd-grad", "accumulate", "create-graph")
+#: The grad modes an implementation gets only where it claims them (``gradequiv_supports``
+#: on its target); every other mode it gets unless it refuses it (``gradequiv_unsupported``).
+#: Double backward is opt-in: reentrant checkpoints cannot run it by design, and selective
+#: activation checkpoint refuses a second backward over a region.
+OPT_IN_GRAD_MODES = ("create-graph",)

@@ -8,7 +8,7 @@ RReLU noise), and the fused attention path draws its dropout inside SDPA.
 Segments are called the way real layers are: two tensors that require grad
 (the residual stream ``x`` and the embedding output ``x0``, which every layer
 mixes back in), a padding mask that does not, and keyword arguments
-(``causal``, ``residual_scale``) whose loss would change the result. Three
+(``causal``, ``residual_scale``) whose loss would change the result. Five
 knobs make segments look like other real layers, each off by default:
 
 * ``x0_keyword``: ``x0`` (and so the mask after it) goes by keyword,
@@ -19,11 +19,21 @@ knobs make segments look like other real layers, each off by default:
   aux)``; the model returns ``(logits, total aux)`` and the loss adds the aux;
 * ``layer_repeats``: weight sharing, each segment (a layer, or a group under
   group granularity) called that many times in a row in one forward, each
-  time on a new input.
+  time on a new input;
+* ``running_stats``: each MLP keeps statistics of its input in buffers, as MoE
+  routers keep their load statistics and BatchNorm ``num_batches_tracked``: two
+  int64 counters and a running mean, moved by every training-mode forward and by
+  no re-run of it inside backward (a recompute), so that buffers must come out
+  exactly as with full storage;
+* ``fp32_last_layer``: the last layer runs under ``torch.autocast(enabled=False)``
+  inside an autocast forward (models keep their first or last layers, routers and
+  norms out of low precision), so the autocast state differs between the segments
+  of one forward; without autocast it changes nothing.
 """
 
 from __future__ import annotations
 
+import contextlib
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
@@ -143,11 +153,53 @@ def _allowed_keys(
     return allowed
 
 
+def recomputing() -> bool:
+    """Whether this forward runs inside a backward pass, as a recompute does: the autograd
+    engine is running a graph task on this thread. torch has no public way to ask (pytorch
+    issue 144928); torch's own ModTracker (``is_bw``) and DeepSpeed's ZeRO-3 recompute guard
+    ask this."""
+    return torch._C._current_graph_task_id() != -1
+
+
+class RunningStats(nn.Module):
+    """Statistics of the activations entering a layer's MLP, kept in buffers: batches and
+    tokens seen (int64 counters, as BatchNorm's ``num_batches_tracked`` and an MoE router's
+    tokens per expert) and a running mean of each channel (as BatchNorm's ``running_mean``).
+
+    Every training-mode forward moves them, also under ``no_grad`` (a training forward
+    whose loss is not backpropagated still saw its batch); eval forwards do not, and neither
+    does a forward run again inside backward: a recompute repeats a forward, it sees no new
+    batch. So a correct recompute leaves them exactly as full storage does, and one that
+    loses the forward's update, or runs the forward again outside backward, does not.
+    """
+
+    num_batches_tracked: Tensor
+    tokens_seen: Tensor
+    running_mean: Tensor
+
+    def __init__(self, width: int, momentum: float = 0.1) -> None:
+        super().__init__()
+        self.momentum = momentum
+        self.register_buffer("num_batches_tracked", torch.zeros((), dtype=torch.long))
+        self.register_buffer("tokens_seen", torch.zeros((), dtype=torch.long))
+        self.register_buffer("running_mean", torch.zeros(width))
+
+    def forward(self, h: Tensor) -> None:
+        if not self.training or recomputing():
+            return
+        with torch.no_grad():
+            self.num_batches_tracked.add_(1)
+            self.tokens_seen.add_(h.numel() // h.shape[-1])
+            mean = h.detach().mean(dim=tuple(range(h.dim() - 1)))
+            self.running_mean.lerp_(mean.to(self.running_mean.dtype), self.momentum)
+
+
 class MLP(nn.Module):
     router: Router
 
     def __init__(self, config: TransformerConfig) -> None:
         super().__init__()
+        self.stats = RunningStats(config.n_embd) if config.running_stats else None
         hidden = config.ffn_mult * config.n_embd
         self.swiglu = config.activation == "swiglu"
         self.fc = nn.Linear(config.n_embd, (2 if self.swiglu else 1) * hidden, bias=config.bias)
@@ -159,6 +211,8 @@ class MLP(nn.Module):
         self.resid_dropout = nn.Dropout(config.resid_dropout)
 
     def forward(self, h: Tensor) -> Tensor:
+        if self.stats is not None:
+            self.stats(h)
         if self.swiglu:
             gate, up = self.fc(h).chunk(2, dim=-1)
             hidden = self.act(gate) * up
@@ -187,6 +241,9 @@ class Block(nn.Module):
         # reaches the loss. Not named ``router``, the attribute the recompute router holds.
         self.expert_router = (nn.Linear(config.n_embd, 4, bias=False)
                               if config.aux_loss else None)
+        # Set on the model's last block under ``fp32_last_layer``: whoever calls this block
+        # (the model, or the group it is in) calls it with autocast disabled.
+        self.autocast_off = False
 
     def forward(
         self,
@@ -232,13 +289,19 @@ def _run_layer(
     causal: bool,
     residual_scale: float,
 ) -> tuple[Tensor, Tensor | None]:
-    """One layer (or group) through ``call``, ``x0`` by position or keyword; its new
-    residual stream and its aux loss (None without one)."""
-    if x0_keyword:  # the mask follows x0 in the signature, so it goes by keyword too
-        out = call(layer, x, x0=x0, key_padding_mask=key_padding_mask, causal=causal,
-                   residual_scale=residual_scale)
-    else:
-        out = call(layer, x, x0, key_padding_mask, causal=causal, residual_scale=residual_scale)
+    """One layer (or group) through ``call``, ``x0`` by position or keyword, with autocast
+    disabled for a block marked ``autocast_off``; its new residual stream and its aux loss
+    (None without one)."""
+    precision: contextlib.AbstractContextManager[Any] = contextlib.nullcontext()
+    if getattr(layer, "autocast_off", False):
+        precision = torch.autocast(x.device.type, enabled=False)
+    with precision:
+        if x0_keyword:  # the mask follows x0 in the signature, so it goes by keyword too
+            out = call(layer, x, x0=x0, key_padding_mask=key_padding_mask, causal=causal,
+                       residual_scale=residual_scale)
+        else:
+            out = call(layer, x, x0, key_padding_mask, causal=causal,
+                       residual_scale=residual_scale)
     if isinstance(out, tuple):
         return out[0], out[1]
     return out, None
@@ -318,6 +381,8 @@ class TransformerConfig:
     aux_loss: bool = False  # each layer returns (x, an MoE-router z-loss); the loss adds them
     layer_repeats: int = 1  # weight sharing: each segment called this many times per forward
     x0_keyword: bool = False  # x0 reaches each layer by keyword (a grad-needing kwarg)
+    running_stats: bool = False  # each MLP keeps counters and a running mean in buffers
+    fp32_last_layer: bool = False  # the last layer runs with autocast disabled
 
     def __post_init__(self) -> None:
         for name in ("n_layer", "n_embd", "n_head", "ffn_mult", "vocab_size", "max_seq_len",
@@ -325,7 +390,7 @@ class TransformerConfig:
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
                 raise InvalidArgument(f"{name}={value!r}: must be a whole number >= 1")
-        for name in ("aux_loss", "x0_keyword"):
+        for name in ("aux_loss", "x0_keyword", "running_stats", "fp32_last_layer"):
             value = getattr(self, name)
             if not isinstance(value, bool):
                 raise InvalidArgument(f"{name}={value!r}: must be true or false")
@@ -366,6 +431,7 @@ class Transformer(RoutedModel):
         self.wpe = nn.Embedding(config.max_seq_len, config.n_embd)
         self.embd_dropout = nn.Dropout(config.embd_dropout)
         self.blocks = nn.ModuleList(Block(config) for _ in range(config.n_layer))
+        cast("Block", self.blocks[-1]).autocast_off = config.fp32_last_layer
         self.norm_f = make_norm(config)
         self.lm_head = nn.Linear(config.n_embd, config.vocab_size, bias=False)
         if config.tie_embeddings:

@@ -120,16 +120,16 @@ def _pin_worker_gpu(worker: str) -> None:
         os.environ["CUDA_VISIBLE_DEVICES"] = gpu
 
 
-def _options(config: pytest.Config) -> tuple[CheckOptions, Any]:
-    """The run's options and implementation: handed over by ``gradequiv check`` (a
+def _options(config: pytest.Config) -> tuple[CheckOptions, Any, Any]:
+    """The run's options, implementation and observer: handed over by ``gradequiv check`` (a
     :class:`SuiteRun` plugin object), by the xdist controller (as JSON), or read from
     this run's command line, environment and ini file, validated by ``check_options``."""
     for plugin in config.pluginmanager.get_plugins():
         if isinstance(plugin, SuiteRun):
-            return plugin.options, plugin.implementation
+            return plugin.options, plugin.implementation, plugin.observer
     given = getattr(config, "workerinput", {}).get("gradequiv_options")
     if given is not None:
-        return CheckOptions.from_json(given), None
+        return CheckOptions.from_json(given), None, None
     profile = _setting(config, "profile") or runtime.default_profile()
     seed = _setting(config, "seed")
     if seed is None:
@@ -146,12 +146,12 @@ def _options(config: pytest.Config) -> tuple[CheckOptions, Any]:
             deterministic=bool(_setting(config, "deterministic")), **raw)
     except InvalidArgument as exc:
         raise pytest.UsageError(str(exc)) from exc
-    return options, None
+    return options, None, None
 
 
 def pytest_configure(config: pytest.Config) -> None:
-    options, implementation = _options(config)
-    runtime.RUN = runtime.SuiteState(options, implementation)
+    options, implementation, observer = _options(config)
+    runtime.RUN = runtime.SuiteState(options, implementation, observer)
     if options.deterministic:
         import torch
 
@@ -270,9 +270,13 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) ->
         for key, failure in report.user_properties:
             if key != FAILURE_KEY:
                 continue
+            test = item.nodeid.split("::")[-1]
+            runtime.RUN.phase(f"the replay of {test}'s minimal failure, {failure['description']}")
             if replay_passes(impl, failure):
                 failure["flaky"] = True
                 report.longrepr = f"FLAKY (passed on replay: nondeterministic)\n{report.longrepr}"
+            runtime.RUN.phase(f"the localisation of {test}'s minimal failure, "
+                              f"{failure['description']}")
             locate(impl, failure)
             report.longrepr = f"{report.longrepr}\n  {failure['localisation']}"
     return report

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from gradequiv.harness.options import CheckOptions
 
@@ -36,6 +36,16 @@ def implementation_key(impl: Implementation) -> str:
     return repr((impl.spec, impl.adapter, sorted(impl.kwargs.items())))
 
 
+class RunObserver(Protocol):
+    """Watches a run from outside: the case about to run, each record, each phase."""
+
+    def case_started(self, impl: Implementation, case: Case, device: Any) -> None: ...
+
+    def case_finished(self, record: dict[str, Any]) -> None: ...
+
+    def phase(self, what: str) -> None: ...
+
+
 class VerdictCache:
     """One verdict per (implementation, case) in this process.
 
@@ -46,6 +56,8 @@ class VerdictCache:
     def __init__(self) -> None:
         self._verdicts: dict[tuple[str, str, str], Verdict] = {}
         self.on_verdict: Callable[[Verdict], None] | None = None
+        #: hears of each case about to run (a supervisor names the case a crash ended)
+        self.on_start: Callable[[Implementation, Case, Any], None] | None = None
         #: localisations of minimal failures, by (implementation, case): tests share them
         self.located: dict[tuple[str, str], Any] = {}
 
@@ -56,6 +68,8 @@ class VerdictCache:
         key = (implementation_key(impl), case.to_json(), str(device))
         if key in self._verdicts:
             return self._verdicts[key], False
+        if self.on_start is not None:
+            self.on_start(impl, case, device)
         verdict = verify(impl, case, device=device, tolerance=RUN.tolerance(case))
         self._verdicts[key] = verdict
         if self.on_verdict is not None:
@@ -71,7 +85,8 @@ class SuiteState:
     """The run in this process: its options and what is resolved from them, once."""
 
     def __init__(self, options: CheckOptions | None = None,
-                 implementation: Implementation | None = None) -> None:
+                 implementation: Implementation | None = None,
+                 observer: RunObserver | None = None) -> None:
         self.options = options or CheckOptions()
         self._implementation = implementation
         self._device: Any = None
@@ -82,6 +97,16 @@ class SuiteState:
         self.identity: dict[str, Any] | None = None
         #: hear of each case record as it is made (the report is rewritten as cases finish)
         self.on_record: list[Callable[[dict[str, Any]], None]] = []
+        #: who watches this run from outside (``gradequiv check``'s supervisor), if anyone
+        self.observer = observer
+        if observer is not None:
+            self.cache.on_start = observer.case_started
+            self.on_record.append(observer.case_finished)
+
+    def phase(self, what: str) -> None:
+        """The run moves on to ``what`` (a replay, a localisation): tell the observer."""
+        if self.observer is not None:
+            self.observer.phase(what)
 
     def record(self, record: dict[str, Any]) -> None:
         """A case finished: tell whoever listens (the plugin's report writer)."""

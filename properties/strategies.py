@@ -100,8 +100,9 @@ def transformer_configs(
     its placement, activation, tied embeddings, bias, dropout
     (``dropout_regimes()`` by default), and the shapes real layers have: an
     auxiliary loss beside the hidden state (a tuple out of each layer), each layer
-    applied twice (weight sharing), ``x0`` by keyword. Shrinks towards one layer,
-    one head of width 4, SDPA, pre-LayerNorm, GELU, one tensor out, each layer once.
+    applied twice (weight sharing), ``x0`` by keyword, running statistics kept in
+    buffers (counters compared exactly). Shrinks towards one layer, one head of
+    width 4, SDPA, pre-LayerNorm, GELU, one tensor out, each layer once, no buffers.
     """
     _check_range("layers", min_layers, max_layers)
     if max_width < 4:
@@ -127,6 +128,7 @@ def transformer_configs(
         aux_loss=draw(st.booleans()),
         layer_repeats=draw(st.sampled_from([1, 2])),
         x0_keyword=draw(st.booleans()),
+        running_stats=draw(st.booleans()),
         **rates,
     )
 
@@ -221,9 +223,13 @@ def external_cases(factory: str, *, device: str = "cpu",
     """Return a strategy for cases of a user's model (``--model``): the factory fixes the
     model and batch; drawn are the granularity (every segment, or every 2nd), the precision
     regime, the seed, how gradients are asked for and the forwards before training.
-    Shrinks towards every segment, fp32, seed 0, ``loss.backward()``.
+    Shrinks towards every segment, fp32, seed 0, ``loss.backward()``; never a gradient
+    penalty (``create-graph``).
     """
     model = ExternalConfig(factory)
+    # Not a gradient penalty: a user's model need not be twice differentiable (fused
+    # attention kernels have no double backward).
+    modes = tuple(m for m in modes if m != "create-graph")
     return st.builds(Case, model=st.just(model),
                      granularity=st.sampled_from(["layer", "every:2"]).map(parse_granularity),
                      dtype=dtype_regimes(device=device), seed=seeds(),
@@ -257,8 +263,10 @@ def cases(
     **config_kwargs: Any,
 ) -> Case:
     """Return a strategy for whole cases: model, batch, granularity, dtype, seed, how
-    gradients are asked for (among ``modes``), and whether an eval and a no_grad forward
-    come before training.
+    gradients are asked for (among ``modes``; a gradient penalty with the manual attention
+    path, as SDPA's fused kernels have no double backward), and whether an eval and a
+    no_grad forward come before training. Under autocast the last layer may run with
+    autocast disabled (``fp32_last_layer``).
 
     ``models`` picks the reference models drawn from (``MODELS``); the
     default leaves out the BatchNorm model, whose running statistics torch's
@@ -289,12 +297,21 @@ def cases(
         # in that precision on autocast's one cached cast, a recompute that casts per use
         # sums them in fp32 (or in another order). Both are right; they differ by rounding.
         model = replace(model, layer_repeats=1)
+    if dtype.endswith("-autocast"):
+        # The last layer under autocast(enabled=False) inside the autocast forward: the
+        # autocast state differs between segments of one forward.
+        model = replace(model, fp32_last_layer=draw(st.booleans()))
+    granularity = draw(granularities(n_layers=model.n_layer))
+    seed = draw(seeds())
+    mode = draw(grad_modes(modes))
+    if mode == "create-graph":  # SDPA's fused kernels have no double backward
+        model = replace(model, attention="manual")
     return Case(
         model=model,
         batch=batch,
-        granularity=draw(granularities(n_layers=model.n_layer)),
+        granularity=granularity,
         dtype=dtype,
-        seed=draw(seeds()),
-        grad_mode=draw(grad_modes(modes)),
+        seed=seed,
+        grad_mode=mode,
         inference=draw(st.booleans()),
     )

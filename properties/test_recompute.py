@@ -15,6 +15,7 @@ from typing import Any
 import pytest
 from hypothesis import HealthCheck, Phase, given, seed, settings
 from hypothesis import strategies as st
+from hypothesis.internal.conjecture import engine as conjecture_engine
 
 from gradequiv.harness import (
     PROPERTIES,
@@ -46,6 +47,12 @@ def _drawn_cases() -> st.SearchStrategy[Case]:
     return cases(device=device, models=OPTIONS.models, modes=modes)
 
 
+# Shrinking stops after a number of shrinks (MAX_SHRINKS), never after minutes of wall clock
+# (Hypothesis's 300 s): a slower machine must not report another minimal failure.
+if hasattr(conjecture_engine, "MAX_SHRINKING_SECONDS"):
+    conjecture_engine.MAX_SHRINKING_SECONDS = 10**9
+
+
 def _suite(test: Callable[..., None]) -> Callable[..., None]:
     """Given drawn cases, with the run's seed and its profile's settings."""
     default = settings.default
@@ -62,6 +69,10 @@ def _suite(test: Callable[..., None]) -> Callable[..., None]:
         # No explain phase: it re-runs variations of each minimal failure to say which
         # arguments did not matter, most of a failing run's time for a line few read.
         phases=[p for p in Phase if p != Phase.explain and (shrink or p != Phase.shrink)],
+        # Same seed, same run, failing too: Hypothesis would otherwise go on looking for other
+        # bugs for 10 s of wall clock after the first one (how many cases then run depends on
+        # the machine's speed), and only the first minimal failure of a test is reported.
+        report_multiple_bugs=False,
         suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture,
                                HealthCheck.data_too_large],
     )

@@ -11,6 +11,7 @@ from gradequiv.harness import Case, Implementation, resolve, verify
 from gradequiv.harness.cli import main
 from gradequiv.harness.implementations.faults import MUTANTS
 from gradequiv.models import ExternalConfig, InvalidArgument, parse_granularity
+from gradequiv.models.external import reproducibility_problem
 
 MODEL = "user_models:residual_stack"
 
@@ -62,5 +63,43 @@ def test_only_segment_granularities_apply_to_a_user_model() -> None:
 ])
 def test_a_broken_factory_is_exit_2(spec: str, message: str,
                                     capsys: pytest.CaptureFixture[str]) -> None:
-    assert main(["check", "--impl", "torch", "--model", spec]) == 2
+    assert main(["check", "--in-process", "--impl", "torch", "--model", spec]) == 2
     assert message in capsys.readouterr().err
+
+
+def test_a_factory_that_ignores_its_seed_is_exit_2_not_a_failing_torch(
+        capfd: pytest.CaptureFixture[str]) -> None:
+    """Its two full-storage runs would differ (a noise floor of 0.038 against an error of
+    0.020), failing or excusing the implementation: the model is named, before any case."""
+    assert main(["check", "--impl", "torch", "--model", "user_models:ignores_its_seed"]) == 2
+    err = capfd.readouterr().err
+    assert ("--model='user_models:ignores_its_seed' is not reproducible: two builds with "
+            "seed 0 differ in parameter blocks.0.linear.weight (") in err
+    assert "the factory must seed every random draw from its seed argument" in err
+
+
+@pytest.mark.parametrize("factory", ["residual_stack", "seeds_the_global_generator"])
+def test_a_factory_drawing_from_its_seed_or_the_seeded_global_generator_is_reproducible(
+        factory: str) -> None:
+    """residual_stack draws its weights from the global generator, which the harness seeds;
+    the other seeds that generator itself: both build the same model twice."""
+    assert reproducibility_problem(ExternalConfig(f"user_models:{factory}")) is None
+
+
+def test_the_first_difference_of_two_builds_is_named() -> None:
+    problem = reproducibility_problem(ExternalConfig("user_models:ignores_its_seed"), seed=5)
+    assert problem is not None
+    assert problem.startswith("--model='user_models:ignores_its_seed' is not reproducible: "
+                              "two builds with seed 5 differ in parameter "
+                              "blocks.0.linear.weight (256 of 256 elements differ, greatest "
+                              "difference ")
+    assert problem.endswith("or gradequiv cannot tell recompute noise from model noise")
+
+
+def test_a_factory_that_hands_out_one_model_twice_is_not_reproducible() -> None:
+    """Equal, but each path would train the same weights: the second starts where the first
+    stopped."""
+    problem = reproducibility_problem(ExternalConfig("user_models:same_model_every_call"))
+    assert problem is not None
+    assert "two builds with seed 0 share parameter blocks.0.norm.weight" in problem
+    assert "must build a new model on every call" in problem

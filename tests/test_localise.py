@@ -47,3 +47,15 @@ def test_when_nothing_is_recomputed_it_says_so_instead_of_guessing() -> None:
     assert found.divergence is None and "no segment ran again during backward" in found.reason
     assert "recomputes no segment" in localise(resolve("torch"),
                                                find_case("control-none")).reason
+
+
+@pytest.mark.parametrize(("spec", "adapter"), [("wrong_impls:wrapper_that_raises", "wrapper"),
+                                               ("wrong_impls:toggle_that_raises", "toggle"),
+                                               ("torch", "wrapper"),
+                                               ("wrong_impls:calls_sys_exit", "function")])
+def test_an_implementation_that_raises_or_exits_is_a_finding_not_a_crash(
+        spec: str, adapter: str) -> None:
+    """Localisation installs and runs the implementation too: what it raises (sys.exit
+    included) is said, never let through to crash the run."""
+    found = localise(resolve(spec, adapter=adapter), find_case("1L-layer-dropout"))
+    assert found.divergence is None and "the implementation raised" in found.describe()

@@ -95,7 +95,7 @@ def test_check_hands_the_suite_its_options_and_implementation_not_strings(
         return 0
 
     monkeypatch.setattr(pytest_module, "main", fake_main)
-    assert main(["check", "--impl", "torch", "--seed", "5", "--impl-kwarg",
+    assert main(["check", "--in-process", "--impl", "torch", "--seed", "5", "--impl-kwarg",
                  "preserve_rng_state=true"]) == 0
     assert not [a for a in seen["args"] if str(a).startswith("--gradequiv")]  # type: ignore[attr-defined]
     (run,) = seen["plugins"]  # type: ignore[misc]

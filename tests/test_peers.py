@@ -132,7 +132,7 @@ def test_an_implementation_that_cannot_run_here_is_exit_2(
         pytest.skip("megatron runs on this machine")
     from gradequiv.harness.cli import main
 
-    assert main(["check", *args]) == 2
+    assert main(["check", "--in-process", *args]) == 2
     err = capsys.readouterr().err
     assert message in err and err.count("\n") == 1
 
@@ -166,5 +166,5 @@ def test_hf_without_a_transformers_model_is_exit_2(capsys: pytest.CaptureFixture
     needs("transformers")
     from gradequiv.harness.cli import main
 
-    assert main(["check", "--impl", "hf"]) == 2
+    assert main(["check", "--in-process", "--impl", "hf"]) == 2
     assert "add --model gradequiv.models.hf:llama" in capsys.readouterr().err

@@ -147,7 +147,8 @@ def test_a_killed_run_leaves_a_valid_report_marked_incomplete(
     log = tmp_path / "stderr.txt"
     with log.open("wb") as stderr:
         process = subprocess.Popen(
-            [sys.executable, "-m", "gradequiv.harness", "check", "--impl", "wrong_impls:sleepy",
+            [sys.executable, "-m", "gradequiv.harness", "check", "--in-process",
+             "--impl", "wrong_impls:sleepy",
              "--examples", "2", "--report-dir", str(tmp_path / "r")],
             env=env, cwd=tmp_path, stdout=subprocess.DEVNULL, stderr=stderr)
         try:

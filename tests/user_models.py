@@ -47,3 +47,35 @@ def wrong_segment(seed: int) -> UserModel:
     built = residual_stack(seed)
     built.segments = ["blocks.9"]
     return built
+
+
+def ignores_its_seed(seed: int) -> UserModel:
+    """The residual stack with weights and batch drawn after a reseed from the clock
+    (``torch.seed()``): every build differs, whatever the seed."""
+    del seed
+    torch.seed()
+    model = Stack(width=16, depth=3, p=0.2)
+    inputs = (torch.randn(8, 16).requires_grad_(),)
+    targets = torch.randint(0, 3, (8,))
+    return UserModel(model, inputs, targets, F.cross_entropy,
+                     segments=[f"blocks.{i}" for i in range(3)])
+
+
+def seeds_the_global_generator(seed: int) -> UserModel:
+    """Seeds the global generator itself and draws everything from it: reproducible."""
+    torch.manual_seed(seed)
+    model = Stack(width=16, depth=3, p=0.2)
+    inputs = (torch.randn(8, 16).requires_grad_(),)
+    targets = torch.randint(0, 3, (8,))
+    return UserModel(model, inputs, targets, F.cross_entropy,
+                     segments=[f"blocks.{i}" for i in range(3)])
+
+
+_BUILT: dict[int, UserModel] = {}
+
+
+def same_model_every_call(seed: int) -> UserModel:
+    """Builds once per seed and hands the same model out again: equal, but shared."""
+    if seed not in _BUILT:
+        _BUILT[seed] = residual_stack(seed)
+    return _BUILT[seed]

@@ -221,3 +221,63 @@ def interrupts_later(fn: Any, *args: Any, **kwargs: Any) -> Any:
     if next(_calls_until_interrupt) == 40:
         raise KeyboardInterrupt
     return _checkpoint(fn, *args, **kwargs)
+
+
+_calls_until_exit = itertools.count()
+
+
+def exits_later(fn: Any, *args: Any, **kwargs: Any) -> Any:
+    """A correct checkpoint until its 40th call, then ``os._exit(0)``: several cases have
+    finished, and the process ends with the status of a pass."""
+    if next(_calls_until_exit) == 40:
+        os._exit(0)
+    return _checkpoint(fn, *args, **kwargs)
+
+
+def killed_later(fn: Any, *args: Any, **kwargs: Any) -> Any:
+    """A correct checkpoint until its 40th call, then SIGKILL of its own process (as the
+    kernel's out-of-memory killer does)."""
+    import signal
+
+    if next(_calls_until_exit) == 40:
+        os.kill(os.getpid(), signal.SIGKILL)
+    return _checkpoint(fn, *args, **kwargs)
+
+
+def hangs_later(fn: Any, *args: Any, **kwargs: Any) -> Any:
+    """A correct checkpoint until its 40th call, then it never returns (a deadlock)."""
+    import time
+
+    if next(_calls_until_exit) >= 40:
+        time.sleep(3600)
+    return _checkpoint(fn, *args, **kwargs)
+
+
+def calls_sys_exit(fn: Any, *args: Any, **kwargs: Any) -> Any:
+    """Calls ``sys.exit(3)`` in the segment, as a library's fatal-error path does."""
+    import sys
+
+    sys.exit(3)
+
+
+def leaves_a_thread(fn: Any, *args: Any, **kwargs: Any) -> Any:
+    """Correct, but starts a non-daemon thread that never ends (a forgotten prefetcher): the
+    process would hang at exit, after its verdict."""
+    import threading
+    import time
+
+    if not any(t.name == "forgotten-prefetcher" for t in threading.enumerate()):
+        threading.Thread(target=time.sleep, args=(3600,), name="forgotten-prefetcher",
+                         daemon=False).start()
+    return _checkpoint(fn, *args, **kwargs)
+
+
+def wrapper_that_raises(module: nn.Module) -> nn.Module:
+    """A ``wrapper`` that refuses the module it is given, as one written for another model
+    class does."""
+    raise TypeError(f"cannot wrap {type(module).__name__}: expected a LlamaDecoderLayer")
+
+
+def toggle_that_raises(model: nn.Module) -> None:
+    """A ``toggle`` that raises when applied (the model has no such switch)."""
+    raise AttributeError("model has no attribute 'enable_recompute'")

@@ -1,19 +1,24 @@
-"""``gradequiv check``: validate the run's options, resolve the implementation, run the suite.
+"""``gradequiv check`` in the process that runs the implementation: validate the run's
+options, resolve the implementation, run the suite.
 
 Every mistake that can be found before the first case is found here and is a
 usage error (exit 2). The suite then runs under pytest in this process,
 handed the options object and the resolved implementation as a
 :class:`~gradequiv.harness.options.SuiteRun` plugin object;
-pytest's own command line only carries pytest's options.
+pytest's own command line only carries pytest's options. By default this is
+a child process that :mod:`.supervise` watches (``observer`` tells it what
+runs); with ``--in-process``, the user's own.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
 import tempfile
 from dataclasses import replace
 from pathlib import Path
+from typing import Any
 
 from gradequiv.harness.errors import (
     EXIT_FAIL,
@@ -25,18 +30,20 @@ from gradequiv.harness.errors import (
 from gradequiv.harness.options import CheckOptions, SuiteRun
 
 
-def run(options: CheckOptions) -> int:
-    """The check command: exit 0 pass, 1 fail, 2 usage error, 130 interrupted."""
-    # torch is imported here, not at module import, so --help and usage errors stay fast.
-    import torch
+def run(options: CheckOptions, *, observer: Any = None) -> int:
+    """The check command: exit 0 pass, 1 fail, 2 usage error, 130 interrupted.
 
+    ``observer`` (a ``properties.runtime.RunObserver``) is the supervisor's channel;
+    without one this process owns the report folder and locks it itself.
+    """
+    # torch is imported here, not at module import, so --help and usage errors stay fast.
     from gradequiv.harness.engine.compare import Tolerance
     from gradequiv.harness.engine.devices import resolve_device
     from gradequiv.harness.engine.spread import load_case
     from gradequiv.harness.engine.verify import check_runnable
     from gradequiv.harness.implementations.libraries import HF_NEEDS_MODEL
     from gradequiv.harness.implementations.resolve import resolve
-    from gradequiv.harness.reports.files import claim_report_dir
+    from gradequiv.harness.reports.files import claim_report_dir, lock_report_dir, run_identity
     from gradequiv.models.kinds import EXTERNAL
 
     if options.impl is None:
@@ -55,13 +62,22 @@ def run(options: CheckOptions) -> int:
     elif impl.spec == "hf" and (case is None or case.model_kind != EXTERNAL):
         raise InvalidArgument(HF_NEEDS_MODEL)
     Tolerance("fp32", options.rtol, options.atol)
-    if options.report_dir is not None:
-        claim_report_dir(options.report_dir)
+    with contextlib.ExitStack() as stack:
+        if options.report_dir is not None:
+            if observer is None:  # a supervisor holds the folder's lock for its child
+                stack.enter_context(lock_report_dir(options.report_dir, run_identity()))
+            claim_report_dir(options.report_dir)
+        return _run_suite(options, impl, device, observer)
+
+
+def _run_suite(options: CheckOptions, impl: Any, device: Any, observer: Any) -> int:
+    """The suite under pytest, after a header line; pytest's code as the command's."""
+    import torch
 
     shard = "" if options.shard == (1, 1) else f", shard {options.shard[0]}/{options.shard[1]}"
     print(f"gradequiv check: {impl.spec} ({impl.adapter}) on {device}, torch "
           f"{torch.__version__}, {torch.get_num_threads()} threads{shard}", flush=True)
-    code = run_suite(SuiteRun(options, impl), ["-q"])
+    code = run_suite(SuiteRun(options, impl, observer), ["-q"])
     if code == 2:
         print("gradequiv: interrupted; the report keeps what finished, marked incomplete",
               file=sys.stderr)
@@ -69,11 +85,17 @@ def run(options: CheckOptions) -> int:
 
 
 def check_model(spec: str) -> None:
-    """Build the user's model once: a factory that cannot build is exit 2, not 30 failures."""
+    """Build the user's model, then twice more to compare: a factory that cannot build, or
+    builds differently from one seed (a noise floor that would fail or hide recompute's
+    errors), is exit 2, not 30 failures."""
     from gradequiv.models import BatchConfig, ExternalConfig, build
+    from gradequiv.models.external import reproducibility_problem
 
     try:
         build(ExternalConfig(spec), BatchConfig(), 0, "cpu")
+        problem = reproducibility_problem(ExternalConfig(spec), seed=0)
+        if problem is not None:
+            raise InvalidArgument(problem)
     except InvalidArgument:
         raise
     except Exception as exc:

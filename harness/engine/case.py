@@ -42,8 +42,10 @@ _CONFIGS: dict[str, _ConfigType] = {
 
 
 #: Words for ``describe``: each grad mode but the plain one, each shape knob of the model.
-_GRAD_MODE_WORDS = {"autograd-grad": "torch.autograd.grad", "accumulate": "2 micro-batches"}
-_SHAPE_KNOBS = {"aux_loss": "aux loss", "x0_keyword": "x0 by keyword"}
+_GRAD_MODE_WORDS = {"autograd-grad": "torch.autograd.grad", "accumulate": "2 micro-batches",
+                    "create-graph": "gradient penalty (create_graph)"}
+_SHAPE_KNOBS = {"aux_loss": "aux loss", "x0_keyword": "x0 by keyword",
+                "running_stats": "running stats", "fp32_last_layer": "last layer autocast off"}
 
 
 @dataclass(frozen=True)
@@ -76,6 +78,13 @@ class Case:
             )
         if not isinstance(self.inference, bool):
             raise InvalidArgument(f"inference={self.inference!r}: must be true or false")
+        if (self.grad_mode == "create-graph" and isinstance(self.model, TransformerConfig)
+                and self.model.attention == "sdpa"):
+            raise InvalidArgument(
+                "grad_mode='create-graph' with attention='sdpa': SDPA's fused kernels have no "
+                "double backward (derivative for _scaled_dot_product_flash_attention_for_cpu_"
+                "backward is not implemented); use attention='manual'"
+            )
         if (self.grad_mode == "accumulate" and isinstance(self.model, BatchNormConfig)
                 and self.batch.batch_size < 4):
             raise InvalidArgument(

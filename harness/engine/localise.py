@@ -175,7 +175,11 @@ def localise(impl: Implementation, case: Case, device: str | torch.device = "cpu
     segments = path.segments
     if not segments:
         return Localisation(None, "the case recomputes no segment")
-    path.install(impl)
+    try:  # a wrapper or toggle that raises when applied is the implementation's failure
+        path.install(impl)
+    except (Exception, SystemExit) as exc:
+        return Localisation(None, f"the implementation raised when applied "
+                                  f"({type(exc).__name__}: {exc})")
     path.model.train()
     tracker = _Tracker(path.model, {id(s.module): s.name for s in segments},
                        {s.module: s.name for s in segments})
@@ -186,7 +190,7 @@ def localise(impl: Implementation, case: Case, device: str | torch.device = "cpu
         tracker.backward = True
         with _Recorder(tracker):
             loss.backward()  # type: ignore[no-untyped-call]  # untyped in torch
-    except Exception as exc:
+    except (Exception, SystemExit) as exc:  # sys.exit in the implementation: its failure too
         return Localisation(None, f"the implementation raised ({type(exc).__name__}: {exc})")
     finally:
         tracker.remove()

@@ -5,15 +5,17 @@ A path (set up by :mod:`.path`) is: build the workload from the case's seed
 segments through the implementation (or call them plainly: the full-storage
 path), then train for ``case.steps`` optimizer steps from one seeded random
 stream, asking for gradients as the case says (``loss.backward()``,
-``torch.autograd.grad``, or two micro-batches accumulated), after an eval and
+``torch.autograd.grad``, two micro-batches accumulated, or a gradient penalty taken
+with ``create_graph=True`` and backpropagated again), after an eval and
 a ``no_grad`` forward where the case has them. Observed per step: loss,
 outputs, every parameter and input gradient (``None`` kept as ``None``), any
 ``.grad`` that ``torch.autograd.grad`` changed, buffers, RNG state, how often
 each segment's forward ran in the forward and in the backward phase, and on
 the recompute path the backward ops that read its parameters; once: the
 activation bytes held for backward after the first forward, those the first
-step left alive after its backward, the eval and ``no_grad`` outputs, and the
-final parameters.
+step left alive after its backward, the eval and ``no_grad`` outputs, the
+final parameters, and torch's global switches as the path left them
+(:mod:`.global_state`).
 
 An exception raised by the implementation is caught here and kept with its
 traceback: it becomes a failed verdict, never a crash of the harness.
@@ -36,6 +38,7 @@ from torch import Tensor, nn
 
 from gradequiv.harness.engine.attribution import ParameterUses
 from gradequiv.harness.engine.case import Case
+from gradequiv.harness.engine.global_state import GlobalState, snapshot
 from gradequiv.harness.engine.memory import ActivationCounter, SavedBytes
 from gradequiv.harness.engine.path import PreparedPath, build_path
 from gradequiv.harness.implementations.adapters import Implementation
@@ -45,6 +48,9 @@ from gradequiv.models.segments import RoutedModel
 
 LEARNING_RATE = 1e-2
 MOMENTUM = 0.9
+#: The weight of the gradient penalty in ``create-graph`` cases: small, so that training
+#: stays the loss's, and still far above the bound in what it adds to every gradient.
+GRADIENT_PENALTY = 1e-2
 
 
 @dataclass
@@ -75,6 +81,7 @@ class PathRun:
     warnings: list[str] = field(default_factory=list)
     starts: list[StepStart] = field(default_factory=list)  # state at the start of steps 2, 3, ...
     probes: dict[str, Tensor] = field(default_factory=dict)  # eval and no_grad forward outputs
+    global_state: GlobalState | None = None  # torch's global switches as the path left them
 
 
 @dataclass
@@ -188,9 +195,9 @@ def run_path(
                         where = f"step {step} backward{part}"
                         if len(batches) > 1:  # the step's loss: the micro-batches' mean
                             loss = loss / len(batches)
-                        with (phase.backward(),
-                              uses if uses is not None else contextlib.nullcontext()):
-                            touched |= _ask_gradients(case.grad_mode, loss, params, inputs)
+                        with phase.backward():
+                            touched |= _ask_gradients(case.grad_mode, loss, params, inputs,
+                                                      watch=uses)
                         kept += [loss.detach(), _main_output(outputs).detach()]
                         del outputs, loss
                 left = None if made is None else made.held_bytes(
@@ -206,9 +213,14 @@ def run_path(
             run.params = {n: p.detach() for n, p in params}
         except Exception:
             run.error, run.error_at = traceback.format_exc(), where
+        except SystemExit as exc:  # the implementation asked the process to end: its fault
+            run.error = (f"the implementation called sys.exit({exc.code!r}) during {where}\n"
+                         f"{traceback.format_exc()}")
+            run.error_at = where
         if device.type == "cuda":
             torch.cuda.synchronize(device)
     run.seconds = time.perf_counter() - started
+    run.global_state = snapshot()  # outside the forward's autocast, after the last step
     run.warnings = sorted({f"{w.category.__name__}: {w.message}" for w in caught})
     return run
 
@@ -227,27 +239,48 @@ def _inference_forwards(path: PreparedPath, call: nn.Module) -> dict[str, Tensor
 
 
 def _ask_gradients(mode: str, loss: Tensor, params: list[tuple[str, nn.Parameter]],
-                   inputs: tuple[Tensor | None, ...]) -> set[str]:
+                   inputs: tuple[Tensor | None, ...],
+                   watch: ParameterUses | None = None) -> set[str]:
     """Backpropagate ``loss`` the way the case asks; accumulate into ``.grad`` either way.
 
     With ``autograd-grad``, the gradients ``torch.autograd.grad`` returns are added into
     ``.grad`` by hand, so the properties compare them like any others; the names of the
     tensors whose ``.grad`` the call itself changed come back (it must change none).
+    With ``create-graph``, a gradient penalty: the parameters' gradients are taken with
+    ``create_graph=True``, and ``loss + GRADIENT_PENALTY * (their squares summed)`` is
+    backpropagated, through the graph of that first backward too (double backward).
+
+    ``watch`` (the recompute path's op counter) is active for the last backward only:
+    under ``create_graph`` backward kernels run with grad mode on, so the weight reads of
+    that first pass would count as re-runs where nothing re-ran.
     """
+    watching = watch if watch is not None else contextlib.nullcontext()
+    if mode == "create-graph":
+        loss = loss + GRADIENT_PENALTY * _gradient_penalty(loss, params)
     if mode != "autograd-grad":
-        loss.backward()  # type: ignore[no-untyped-call]  # untyped in torch
+        with watching:
+            loss.backward()  # type: ignore[no-untyped-call]  # untyped in torch
         return set()
     named: list[tuple[str, Tensor]] = [(f"param:{n}", p) for n, p in params if p.requires_grad]
     named += [(f"input:model:arg{i}", t) for i, t in enumerate(inputs)
               if t is not None and t.requires_grad]
     before = {name: None if t.grad is None else t.grad.clone() for name, t in named}
-    got = torch.autograd.grad(loss, [t for _, t in named], allow_unused=True)
+    with watching:
+        got = torch.autograd.grad(loss, [t for _, t in named], allow_unused=True)
     touched = {name for name, t in named if not _same_grad(before[name], t.grad)}
     with torch.no_grad():
         for (_, t), g in zip(named, got):
             if g is not None:
                 t.grad = g.detach() if t.grad is None else t.grad + g
     return touched
+
+
+def _gradient_penalty(loss: Tensor, params: list[tuple[str, nn.Parameter]]) -> Tensor:
+    """The squared norm of the parameters' gradients, differentiable (``create_graph``): the
+    penalty's own gradient needs second derivatives through every segment."""
+    wanted = [p for _, p in params if p.requires_grad]
+    grads = torch.autograd.grad(loss, wanted, create_graph=True, allow_unused=True)
+    return torch.stack([g.float().square().sum() for g in grads if g is not None]).sum()
 
 
 def _same_grad(before: Tensor | None, now: Tensor | None) -> bool:

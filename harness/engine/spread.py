@@ -2,9 +2,11 @@
 
 It covers dropout on and off, every precision regime, every granularity, both
 attention paths, both norms and placements, every activation, tied and
-untied embeddings, padding on and off, every way of asking for gradients, eval
-and no_grad forwards before training, layers that return an auxiliary loss, are
-applied twice or take ``x0`` by keyword, and sizes from one layer up to
+untied embeddings, padding on and off, every way of asking for gradients (a
+gradient penalty through ``create_graph`` only for implementations that claim it),
+eval and no_grad forwards before training, layers that return an auxiliary loss, are
+applied twice, take ``x0`` by keyword, keep running statistics in buffers or run
+with autocast disabled inside an autocast forward, and sizes from one layer up to
 4 layers x 128 wide x 64 tokens (segment inputs of 16k elements) and one layer
 of 128k-element inputs. Cheap cases come first so a broken implementation fails
 fast.
@@ -82,6 +84,13 @@ def default_cases() -> list[Case]:
         _case("2L-layer-aux-shared-x0kw-dropout", replace(
             _SMALL, aux_loss=True, layer_repeats=2, x0_keyword=True, **_ALL_DROPOUT),
             "layer", seed=19),
+        _case("2L-layer-running-stats-inference-first", replace(
+            _SMALL, running_stats=True, **_ALL_DROPOUT), "layer", seed=24, inference=True),
+        _case("2L-layer-bf16-fp32-last-layer", replace(
+            _SMALL, fp32_last_layer=True, **_ALL_DROPOUT), "layer", "bf16-autocast", seed=25),
+        _case("2L-layer-create-graph-manual-attn", replace(
+            _SMALL, attention="manual", **_ALL_DROPOUT), "layer", seed=26,
+            grad_mode="create-graph"),
         _case("4Lx128x64-layer-dropout", _LARGE, "layer", batch=BatchConfig(2, 64), seed=11),
         _case("4Lx128x64-group2-bf16", _LARGE, "group:2", "bf16-autocast",
               batch=BatchConfig(2, 64), seed=12),

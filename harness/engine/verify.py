@@ -7,7 +7,12 @@ noise floor) and the recompute path once, then checks, in this order:
 2. ``gradients``: every parameter and segment-input gradient of the first step,
    including which exist at all, and under ``torch.autograd.grad`` no ``.grad`` touched;
 3. ``buffers``: buffers after the first step;
-4. ``rng``: the global RNG state after every step;
+4. ``rng``: the process-global state after the step equals full storage's: the global
+   RNG state after every step, and torch's global switches (default dtype and device,
+   grad mode, deterministic algorithms, threads, autocast, matmul precision, backend and
+   SDPA flags: ``global_state``) at the end of the path; every path starts from the
+   switches as the case found them, and they are put back after the case, so a switch
+   the implementation left changed fails here and never reaches the next case;
 5. ``trajectory``: losses, gradients and weights over the later steps, each
    step started from the full path's weights, optimizer and RNG state, so a
    fault shows at the step it happens in (a step-1 fault is not counted again);
@@ -40,6 +45,7 @@ from typing import Any
 
 import torch
 
+from gradequiv.harness.engine import global_state
 from gradequiv.harness.engine.case import Case
 from gradequiv.harness.engine.compare import Tolerance, measure_pairs
 from gradequiv.harness.engine.runner import PathRun, run_path
@@ -114,7 +120,10 @@ class Verdict:
         """One line saying what failed first, for terminals and reports."""
         if self.error is not None:
             last = self.error.strip().splitlines()[-1]
-            return f"the implementation raised during {self.error_at}: {last}"
+            said = f"the implementation raised during {self.error_at}: {last}"
+            # A global switch it left changed (rng) is still checked, and may be the cause.
+            failed = [p for p in self.properties if p.passed is False]
+            return said + "".join(f"; {p.name}: {p.first_failure}" for p in failed[:1])
         for prop in self.properties:
             if prop.passed is False:
                 return f"{prop.name}: {prop.first_failure}"
@@ -129,32 +138,50 @@ def verify(
     tolerance: Tolerance | None = None,
 ) -> Verdict:
     """Check ``impl`` on ``case`` against full storage; never raises for the impl's faults."""
+    # torch's global switches as the case finds them (after the run's own, --deterministic):
+    # every path starts from them, and they are put back after the case.
+    clean = global_state.snapshot()
     impl = resolve(impl) if isinstance(impl, str) else impl
     device = torch.device(device)
     tolerance = tolerance or Tolerance(regime=case.dtype)
     verdict = Verdict(case=case, impl=impl.spec, device=str(device))
     reference = REFERENCE if impl.compiled else None  # compiled code is compared to compiled
-    with _caller_rng_untouched(device):
-        full = run_path(case, None, device=device, count_memory=True, compiled=reference)
-        if full.error is not None:
-            raise RuntimeError(
-                f"the full-storage path of case {case.describe()} failed at {full.error_at}; "
-                f"this is a fault of the model, not of the implementation:\n{full.error}"
-            )
-        floor = run_path(case, None, device=device, start_from=full,
-                         compiled=FLOOR if impl.compiled else None)
-        recompute = run_path(case, impl, device=device, count_memory=True, start_from=full,
-                             compiled=impl.compiled.settings if impl.compiled else None)
+    try:
+        with _caller_rng_untouched(device):
+            global_state.restore(clean)
+            full = run_path(case, None, device=device, count_memory=True, compiled=reference)
+            if full.error is not None:
+                raise RuntimeError(
+                    f"the full-storage path of case {case.describe()} failed at "
+                    f"{full.error_at}; this is a fault of the model, not of the "
+                    f"implementation:\n{full.error}"
+                )
+            global_state.restore(clean)
+            floor = run_path(case, None, device=device, start_from=full,
+                             compiled=FLOOR if impl.compiled else None)
+            global_state.restore(clean)
+            recompute = run_path(case, impl, device=device, count_memory=True,
+                                 start_from=full,
+                                 compiled=impl.compiled.settings if impl.compiled else None)
+    finally:
+        stuck = global_state.restore(clean)  # what could not be put back for the next case
     verdict.seconds = {"full": full.seconds, "floor": floor.seconds,
                        "recompute": recompute.seconds}
     verdict.held_bytes = {"full": full.held_bytes, "recompute": recompute.held_bytes}
     verdict.warnings = recompute.warnings
+    if stuck:
+        verdict.warnings = [*verdict.warnings, "gradequiv: torch's global switches could not "
+                            f"be put back after this case: {'; '.join(stuck)}"]
     if recompute.error is not None:
         verdict.error, verdict.error_at = recompute.error, recompute.error_at
         verdict.properties = [
             PropertyResult(name, None, "not checked: the implementation raised")
             for name in PROPERTIES
         ]
+        leaked = _global_state_leak(full, recompute)  # it may be why the implementation raised
+        if leaked:
+            verdict.properties[PROPERTIES.index("rng")] = PropertyResult(
+                "rng", False, leaked, failures=[leaked])
         return verdict
     started = time.perf_counter()
     verdict.held_on = {"full": full.held_on, "recompute": recompute.held_on}
@@ -179,6 +206,19 @@ def _caller_rng_untouched(device: torch.device) -> Iterator[None]:
     cuda = [device] if device.type == "cuda" else []
     with torch.random.fork_rng(devices=cuda):
         yield
+
+
+def _global_state_leak(full: PathRun, rc: PathRun) -> str:
+    """The switches the recompute path left otherwise than full storage did ("" if none):
+    both started from the case's own, so the implementation set them and did not put
+    them back (one it sets and restores inside its call is fine)."""
+    if full.global_state is None or rc.global_state is None:
+        return ""
+    changed = global_state.diff(full.global_state, rc.global_state)
+    if not changed:
+        return ""
+    return ("the implementation changed torch's global state and did not restore it: "
+            + "; ".join(changed))
 
 
 _Item = tuple[str, str, Any, Any, Any]  # property, name, recompute, full, floor run
@@ -234,6 +274,9 @@ def _check_all(
                 f"tensor(s) ({', '.join(_label(n) for n in step.touched[:3])}); it must "
                 f"return gradients and touch no .grad (a recompute that calls backward "
                 f"inside backward accumulates into .grad)")
+    leaked = _global_state_leak(full, rc)
+    if leaked:
+        results["rng"].failures.append(leaked)
     _check_recompute(case, full, rc, results["recompute"], compiled)
     for result in results.values():
         if result.passed is not None:
@@ -309,6 +352,9 @@ def _check_recompute(case: Case, full: PathRun, rc: PathRun, result: PropertyRes
         result.summary = ("the compiled graph saved fewer bytes for backward than the compiled "
                           "full-storage graph (segment re-runs cannot be watched inside a "
                           "compiled graph)")
+    # A gradient penalty backpropagates twice (create_graph, then through that graph): each
+    # pass may recompute each forward once; one recompute kept for both is right too.
+    passes = 2 if case.grad_mode == "create-graph" else 1
     for k, (step_rc, step_full) in enumerate(zip(rc.steps, full.steps), start=1):
         for module, (fwd, bwd) in step_rc.calls.items():
             full_fwd = step_full.calls.get(module, [0, 0])[0]
@@ -324,13 +370,14 @@ def _check_recompute(case: Case, full: PathRun, rc: PathRun, result: PropertyRes
                     f"on its parameters with grad on), {full_fwd} forward(s) to recompute; "
                     f"nothing was recomputed"
                 )
-            elif bwd > full_fwd:
+            elif bwd > full_fwd * passes:
                 # Hooks only: op counts are no measure of how often (autocast caches a
                 # weight's cast in forward, not in a recompute; torch's early stop re-runs
                 # fewer ops), only of whether the segment re-ran at all.
+                per = " per backward pass" if passes > 1 else ""
                 result.failures.append(
                     f"step {k}: {module} ran {bwd} time(s) in backward and {full_fwd} in "
-                    f"forward; a recompute re-runs each forward once, not more"
+                    f"forward; a recompute re-runs each forward once{per}, not more"
                 )
             elif 0 < bwd < full_fwd:
                 result.failures.append(
@@ -401,6 +448,14 @@ def _check_offload(case: Case, full: PathRun, rc: PathRun,
 def _summary(result: PropertyResult) -> str:
     if result.name == "recompute":
         return "each segment re-ran once in backward and fewer bytes were held"
+    if result.name == "rng":
+        switches = "torch's global switches as full storage left them"
+        generators = _tensor_summary(result)
+        return f"{generators}; {switches}" if generators else switches
+    return _tensor_summary(result)
+
+
+def _tensor_summary(result: PropertyResult) -> str:
     worst = max(result.checks, key=lambda c: c.rel_error / c.bound if c.bound else
                 (math.inf if c.rel_error else 0.0), default=None)
     if worst is None:

@@ -21,7 +21,7 @@ from gradequiv.harness.errors import InvalidArgument
 from gradequiv.harness.implementations.torch_builtins import OFFLOAD
 from gradequiv.harness.options import ADAPTERS
 from gradequiv.models import Segment
-from gradequiv.models.kinds import GRAD_MODES
+from gradequiv.models.kinds import GRAD_MODES, OPT_IN_GRAD_MODES
 from gradequiv.models.segments import Router
 
 if TYPE_CHECKING:
@@ -48,20 +48,25 @@ class Implementation:
 
     @property
     def grad_modes(self) -> tuple[str, ...]:
-        """The ways of asking for gradients it supports: every one of ``GRAD_MODES`` but those
-        its target lists in ``gradequiv_unsupported`` (torch's reentrant checkpoint refuses
-        ``torch.autograd.grad`` by design, loudly), and ``autograd-grad`` when it is told to
-        run reentrant (``use_reentrant=true``, the wrapper's ``reentrant=true``)."""
-        refused = set(getattr(self.target, "gradequiv_unsupported", ()))
+        """The ways of asking for gradients it supports, declared on its target in one of two
+        lists of ``GRAD_MODES`` names: every mode but those in ``gradequiv_unsupported``
+        (torch's reentrant checkpoint refuses ``torch.autograd.grad`` by design, loudly),
+        and of the opt-in modes (``OPT_IN_GRAD_MODES``: double backward) only those in
+        ``gradequiv_supports``. Told to run reentrant (``use_reentrant=true``, the
+        wrapper's ``reentrant=true``), it supports neither ``autograd-grad`` nor
+        ``create-graph``."""
+        refused, claimed = _declared(self.target)
         if self.kwargs.get("use_reentrant") is True or self.kwargs.get("reentrant") is True:
-            refused.add("autograd-grad")
-        return tuple(mode for mode in GRAD_MODES if mode not in refused)
+            refused |= {"autograd-grad", "create-graph"}
+        return tuple(mode for mode in GRAD_MODES if mode not in refused
+                     and (mode not in OPT_IN_GRAD_MODES or mode in claimed))
 
     def __post_init__(self) -> None:
         if self.adapter not in ADAPTERS:
             raise InvalidArgument(
                 f"--adapter={self.adapter!r} is not one of {', '.join(ADAPTERS)}"
             )
+        _declared(self.target)  # a misspelt grad mode is exit 2 now, not a mode never drawn
 
     def install(self, model: nn.Module, segments: list[Segment]) -> None:
         """Route the selected ``segments`` of ``model`` through this implementation."""
@@ -96,6 +101,22 @@ class Implementation:
         for key, value in self.kwargs.items():
             args += ["--impl-kwarg", f"{key}={_format_value(value)}"]
         return args
+
+
+def _declared(target: Callable[..., Any]) -> tuple[set[str], set[str]]:
+    """The grad modes ``target`` refuses (``gradequiv_unsupported``) and claims
+    (``gradequiv_supports``); a name that is no grad mode is refused with the known ones."""
+    lists = {attr: getattr(target, attr, ()) for attr in ("gradequiv_unsupported",
+                                                           "gradequiv_supports")}
+    for attr, names in lists.items():
+        if isinstance(names, str) or not all(isinstance(n, str) for n in names):
+            raise InvalidArgument(f"{attr}={names!r} on {target!r}: a tuple of grad mode "
+                                  f"names is needed, e.g. {attr} = ({GRAD_MODES[-1]!r},)")
+        unknown = sorted(set(names) - set(GRAD_MODES))
+        if unknown:
+            raise InvalidArgument(f"{attr} on {target!r} names {', '.join(map(repr, unknown))}, "
+                                  f"no grad mode; the modes are {', '.join(GRAD_MODES)}")
+    return set(lists["gradequiv_unsupported"]), set(lists["gradequiv_supports"])
 
 
 def _format_value(value: Any) -> str:

@@ -8,10 +8,17 @@ arguments are inputs of the Function too, and backward returns their gradients
 from ``torch.autograd.grad``: it never writes ``.grad`` itself, so it composes
 with ``torch.autograd.grad(loss, ...)`` and with gradient accumulation, and a
 tensor passed by keyword gets its gradient. Every output tensor of a tuple
-gets its incoming gradient. Each mutant flips one :class:`Faults` switch;
-each switch is a failure seen in real recompute code (``Mutant.source``: the
-issue or pull request it stands for, where one is known). A harness that lets
-any of them pass is broken.
+gets its incoming gradient. Under ``create_graph=True`` (grad mode on in backward)
+it recomputes on views of the saved inputs and parameters, which keep their graph,
+and takes the gradients with ``create_graph``, so that they can be differentiated
+again (a gradient penalty); it claims no ``create-graph`` all the same: its second
+backward runs through another graph than full storage's and sums in another order
+(relative errors of a few 1e-6 in fp32, of bf16's rounding in bf16), where torch's
+non-reentrant checkpoint, which backpropagates through the forward's own graph, is
+bitwise equal.
+Each mutant flips one :class:`Faults` switch; each switch is a failure seen in real
+recompute code (``Mutant.source``: the issue or pull request it stands for, where one
+is known). A harness that lets any of them pass is broken.
 """
 
 from __future__ import annotations
@@ -65,6 +72,10 @@ class Faults:
     group_layers_unchained: bool = False  # a group's layers all fed the group's input
     bn_stats_in_recompute_only: bool = False  # running statistics frozen in the forward,
     #                                           updated by the recompute
+    grads_without_graph: bool = False  # backward's gradients taken without create_graph, on
+    #                                    detached inputs: no second-order term through it
+    autocast_latched: bool = False  # autocast state kept in one process-wide slot: the last
+    #                                 segment's forward decides every recompute's
 
 
 @dataclass(frozen=True)
@@ -74,6 +85,7 @@ class Mutant:
     models: str  # the real failure it stands for
     cuda_only: bool = False
     source: str = ""  # the issue or pull request it stands for ("" where none is known)
+    supports: tuple[str, ...] = ()  # opt-in grad modes it claims (``gradequiv_supports``)
 
     @property
     def impl(self) -> Callable[..., Any]:
@@ -82,11 +94,15 @@ class Mutant:
         )
         fn.__name__ = fn.__qualname__ = self.name.replace("-", "_")
         fn.__doc__ = f"{self.models} ({self.source})" if self.source else self.models
+        if self.supports:
+            fn.gradequiv_supports = self.supports  # type: ignore[attr-defined]
         return fn
 
 
-def _mutant(switch: str, models: str, source: str = "", cuda_only: bool = False) -> Mutant:
-    return Mutant(switch.replace("_", "-"), Faults(**{switch: True}), models, cuda_only, source)
+def _mutant(switch: str, models: str, source: str = "", cuda_only: bool = False,
+            supports: tuple[str, ...] = ()) -> Mutant:
+    return Mutant(switch.replace("_", "-"), Faults(**{switch: True}), models, cuda_only, source,
+                  supports)
 
 
 _PT = "https://github.com/pytorch/pytorch"
@@ -169,12 +185,29 @@ MUTANTS: tuple[Mutant, ...] = (
                                           "to the recompute: a forward without backward "
                                           "(no_grad, validation) never updates them",
             f"{_FAIRSCALE}/issues/1035"),
+    _mutant("grads_without_graph", "a checkpoint that claims double backward while its "
+                                   "backward takes the segment's gradients on detached inputs "
+                                   "without create_graph, as reentrant checkpoints do: right "
+                                   "for loss.backward(), but a gradient penalty's second-order "
+                                   "terms through the segment are lost, silently",
+            f"{_PT}/issues/33999", supports=("create-graph",)),
+    _mutant("autocast_latched", "the autocast state latched in one process-wide slot that each "
+                                "segment's forward overwrites, read back by every recompute: "
+                                "right while all segments run under one autocast state, wrong "
+                                "once precision is chosen per layer (a layer under "
+                                "autocast(enabled=False))", "https://github.com/NVIDIA/"
+                                                           "TransformerEngine/pull/3284"),
 )
 
 
 def reference_checkpoint(function: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
     """The correct base: every fault switched off."""
     return checkpoint_with_faults(function, *args, faults=Faults(), **kwargs)
+
+
+#: The autocast state of the last segment forward, for the autocast-latched fault: one slot
+#: for the process (device type, enabled, dtype), holding no tensor.
+_LATCHED: list[tuple[str, bool, torch.dtype]] = []
 
 
 #: Segments recomputed at least once, for the first-call faults; dies with the model.
@@ -254,8 +287,10 @@ class _Run:
         self.state = _State(torch.get_rng_state(), cuda_rng, autocast)
         return self.state
 
-    def call(self, tensors: tuple[Tensor, ...], recompute: bool) -> Any:
-        """The segment on ``tensors`` (positional tensors, then the tensor kwargs)."""
+    def call(self, tensors: tuple[Tensor, ...], recompute: bool,
+             swap: dict[str, Tensor] | None = None) -> Any:
+        """The segment on ``tensors`` (positional tensors, then the tensor kwargs); ``swap``:
+        parameters and buffers of the segment module replaced for the call, by name."""
         it = iter(tensors)
         args = tuple(next(it) if isinstance(a, Tensor) else a for a in self.args)
         kwargs = dict(self.kwargs) | {k: next(it) for k in self.kwarg_names}
@@ -265,6 +300,8 @@ class _Run:
         if self.faults.group_layers_unchained and isinstance(blocks, nn.ModuleList) \
                 and len(blocks) > 1:
             return _unchained(blocks, args, kwargs)
+        if swap is not None and isinstance(self.function, nn.Module):
+            return torch.func.functional_call(self.function, swap, args, kwargs)
         return self.function(*args, **kwargs)
 
 
@@ -297,6 +334,8 @@ class _Recompute(torch.autograd.Function):
                     buffer.copy_(value)
         if faults.rng_captured_late:
             state = run.capture(device_type)
+        if faults.autocast_latched:
+            _LATCHED[:] = [state.autocast]
         if faults.state_per_module_slot:
             _SLOT[run.function] = state
         if faults.state_queue_without_backward:
@@ -324,11 +363,30 @@ class _Recompute(torch.autograd.Function):
         if faults.stale_recompute:
             saved = _STALE.setdefault(
                 run.function, tuple(t.detach().requires_grad_(t.requires_grad) for t in saved))
-        inputs = tuple(t.detach().requires_grad_(t.requires_grad) for t in saved)
+        # Under create_graph the engine runs backward with grad mode on, and the gradients
+        # must stay differentiable in the inputs, the parameters and the incoming gradients.
+        # The recompute then runs on an alias (a view: a node of its own) of each input and
+        # of each parameter, and on copies of the buffers (nothing to put back, no saved
+        # buffer bumped): the gradient taken for an alias is its own, never summed over paths
+        # through another input (x0 reaches x through the layers before; a layer applied
+        # twice reaches its parameters through its first application), while the graph of
+        # that gradient leads back to the original. Otherwise: detached copies.
+        double = torch.is_grad_enabled() and not (
+            faults.grads_without_graph or faults.grad_via_backward
+            or faults.accumulated_grad_overwritten)
+        inputs = tuple(t.view_as(t) if double and t.requires_grad
+                       else t.detach().requires_grad_(t.requires_grad) for t in saved)
         module = run.module
-        params = list(module.parameters()) if module is not None else []
-        params = [p for p in params if p.requires_grad]
-        buffers = [b.clone() for b in module.buffers()] if module is not None else []
+        named = [(n, p) for n, p in module.named_parameters() if p.requires_grad] \
+            if module is not None else []
+        params = [p for _, p in named]
+        swap: dict[str, Tensor] | None = None
+        if double and module is not None:
+            swap = {n: p.view_as(p) for n, p in named}
+            swap |= {n: b.clone() for n, b in module.named_buffers()}
+        wrt = [swap[n] for n, _ in named] if swap is not None else params
+        buffers = [b.clone() for b in module.buffers()] \
+            if module is not None and swap is None else []
         first = run.function not in _RECOMPUTED
         _RECOMPUTED.add(run.function)
         state = run.state
@@ -338,7 +396,7 @@ class _Recompute(torch.autograd.Function):
             state = _QUEUE[run.function].popleft()
         assert state is not None
         with _recompute_state(run, state, first), torch.enable_grad():
-            out = run.call(inputs, recompute=True)
+            out = run.call(inputs, recompute=True, swap=swap)
         if faults.recomputed_kept:
             _KEPT_OUTPUTS[run.function] = out
         outs = out if isinstance(out, tuple) else (out,)
@@ -354,8 +412,9 @@ class _Recompute(torch.autograd.Function):
         else:
             got: list[Tensor | None] = [None] * (len(wanted) + len(params))
             if pairs and got:
-                got = list(torch.autograd.grad([o for o, _ in pairs], wanted + params,
-                                               [g for _, g in pairs], allow_unused=True))
+                got = list(torch.autograd.grad([o for o, _ in pairs], wanted + wrt,
+                                               [g for _, g in pairs], allow_unused=True,
+                                               create_graph=double))
             it = iter(got[:len(wanted)])
             input_grads = [next(it) if t.requires_grad else None for t in inputs]
             param_grads = got[len(wanted):]
@@ -407,7 +466,7 @@ def _recompute_state(run: _Run, state: _State, first: bool) -> Iterator[None]:
             if state.cuda_rng and not faults.cuda_rng_not_restored:
                 for device, cuda_state in enumerate(state.cuda_rng):
                     torch.cuda.set_rng_state(cuda_state, device)
-        device_type, enabled, dtype = state.autocast
+        device_type, enabled, dtype = _LATCHED[0] if faults.autocast_latched else state.autocast
         if faults.autocast_forced_on:
             enabled = state.autocast is not None  # the truthiness bug: any saved state is "on"
         if faults.autocast_lost:

@@ -20,8 +20,18 @@ from gradequiv.harness.errors import InvalidArgument
 #: recomputing them (torch's offloads below; users mark their own the same way).
 OFFLOAD = "offload"
 
+
+def _double_backward(target: Callable[..., Any]) -> Callable[..., Any]:
+    """Claim the opt-in grad mode ``create-graph`` for ``target``: its recompute (or offload)
+    hands backward the forward's own graph, so gradients taken with ``create_graph=True``
+    can be differentiated again (checked bitwise on CPU for each one marked)."""
+    target.gradequiv_supports = ("create-graph",)  # type: ignore[attr-defined]
+    return target
+
+
 # -- torch: plain checkpoint ------------------------------------------------------------------
 
+@_double_backward
 def torch_checkpoint(function: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
     """torch.utils.checkpoint, non-reentrant (the variant torch recommends)."""
     from torch.utils.checkpoint import checkpoint
@@ -69,7 +79,8 @@ def tensors_positional(function: Callable[..., Any], args: tuple[Any, ...],
 
 
 #: torch documents that the reentrant variant does not support ``torch.autograd.grad`` (it
-#: raises "incompatible with .grad()"): a declared limit, so those cases are not drawn.
+#: raises "incompatible with .grad()"): a declared limit, so those cases are not drawn. Nor
+#: does it claim ``create-graph``, whose first backward is ``torch.autograd.grad``.
 torch_reentrant_checkpoint.gradequiv_unsupported = ("autograd-grad",)  # type: ignore[attr-defined]
 
 
@@ -114,6 +125,10 @@ def torch_sac(function: Callable[..., Any], *args: Any, policy: str = "matmuls",
               **kwargs: Any) -> Any:
     """torch.utils.checkpoint (non-reentrant) with a selective-checkpoint policy.
 
+    It claims no ``create-graph``: a second backward over a selectively checkpointed region
+    raises ("You are only allowed to backward once on any region computed under selective
+    activation checkpoint"), and a gradient penalty backpropagates twice.
+
     ``policy`` (``--impl-kwarg policy=...``): ``matmuls`` saves the outputs of
     matmul-like ops and recomputes the rest (the usual SAC set-up), ``none``
     recomputes everything (plain checkpoint), ``all`` saves every op (no
@@ -129,6 +144,7 @@ def torch_sac(function: Callable[..., Any], *args: Any, policy: str = "matmuls",
 
 # -- torch: checkpoint_wrapper ------------------------------------------------------------
 
+@_double_backward
 def torch_wrapper(module: nn.Module, *, reentrant: bool = False, **kwargs: Any) -> nn.Module:
     """torch.distributed.algorithms' ``checkpoint_wrapper`` (NO_REENTRANT unless ``reentrant``).
 
@@ -150,6 +166,7 @@ def torch_wrapper(module: nn.Module, *, reentrant: bool = False, **kwargs: Any) 
 
 # -- torch: checkpoint patched into the instance ------------------------------------------
 
+@_double_backward
 def torch_patched(module: nn.Module, **kwargs: Any) -> nn.Module:
     """torch's checkpoint patched into the module itself, the idiom many codebases use::
 
@@ -175,6 +192,7 @@ def _offloads(target: Callable[..., Any]) -> Callable[..., Any]:
     return target
 
 
+@_double_backward
 @_offloads
 def torch_offload(function: Callable[..., Any], *args: Any, pin_memory: bool | None = None,
                   **kwargs: Any) -> Any:
@@ -192,6 +210,7 @@ def torch_offload(function: Callable[..., Any], *args: Any, pin_memory: bool | N
         return function(*args, **kwargs)
 
 
+@_double_backward
 @_offloads
 def torch_offload_wrapper(module: nn.Module) -> nn.Module:
     """torch.distributed.algorithms' ``offload_wrapper``: save_on_cpu around the module."""

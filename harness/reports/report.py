@@ -12,16 +12,19 @@ import platform
 import shlex
 from dataclasses import asdict
 from importlib.metadata import PackageNotFoundError, version
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import torch
-
-from gradequiv.harness.engine.case import Case
-from gradequiv.harness.engine.verify import Verdict
-from gradequiv.harness.implementations.adapters import Implementation
 from gradequiv.harness.options import CheckOptions
 
+if TYPE_CHECKING:  # torch is imported on use: a supervisor writes reports without it
+    import torch
+
+    from gradequiv.harness.engine.case import Case
+    from gradequiv.harness.engine.verify import Verdict
+    from gradequiv.harness.implementations.adapters import Implementation
+
 SCHEMA_VERSION = 1
+
 
 def gradequiv_version() -> str:
     try:
@@ -32,6 +35,8 @@ def gradequiv_version() -> str:
 
 def run_conditions(device: torch.device, seed: int) -> dict[str, Any]:
     """What a reader needs to compare these numbers with others."""
+    import torch
+
     conditions: dict[str, Any] = {
         "gradequiv": gradequiv_version(),
         "torch": torch.__version__,
@@ -189,3 +194,29 @@ def first_mismatch(record: dict[str, Any]) -> dict[str, Any] | None:
             if not check["passed"]:
                 return dict(check)
     return None
+
+
+def process_ended_report(last: dict[str, Any], records: list[dict[str, Any]], *,
+                         message: str, during: dict[str, Any] | None) -> dict[str, Any]:
+    """report.json of a run whose process ended before the run did (the implementation
+    exited, was killed or hung): the report the run last wrote, with every case it
+    finished since, incomplete and failing, the end of the process as its failure.
+
+    ``during`` is the case that was running (``description``, ``case``, ``reproduce``),
+    or None when the process ended before its first case.
+    """
+    by_reproduce = {r["reproduce"]: r for r in last.get("cases", [])}
+    for record in records:
+        by_reproduce.setdefault(record["reproduce"], record)
+    cases = list(by_reproduce.values())
+    failed = sum(r["verdict"] == "fail" for r in cases)
+    failure = {"case": during["description"] if during else "start-up, before the first case",
+               "property": "process", "message": message, "flaky": False,
+               "minimal_case": during["case"] if during else None,
+               "reproduce": during["reproduce"] if during else (last.get("run") or {}).get(
+                   "command", "gradequiv check"),
+               "first_mismatch": None}
+    return last | {"verdict": "fail", "complete": False,
+                   "summary": {"run": len(cases), "passed": len(cases) - failed,
+                               "failed": failed},
+                   "cases": cases, "failure": failure, "statistics": _statistics(cases)}

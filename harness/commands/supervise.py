@@ -1,0 +1,249 @@
+"""``gradequiv check`` runs the suite in a child process and owns the verdict.
+
+The implementation under test runs in the child, so whatever it does to its
+process (``os._exit``, a signal, a hang, a thread left running) cannot end
+the run with a false pass. The child tells this process, over a pipe, which
+case it is about to run, each case it finished, the phase it is in (a
+replay, a localisation) and, last, the exit code it chose. This process:
+
+- passes the child's exit code on when the child said it was done;
+- otherwise (the child exited without saying so, was killed, or sent
+  nothing for ``--case-timeout`` seconds) stops it, says which case it was
+  running and how it ended, writes report.json with every case that
+  finished (incomplete, failing) and exits 1;
+- forwards SIGINT and SIGTERM to the child, which writes its report as an
+  interrupted run does.
+
+No torch here: the child imports it. ``--in-process`` runs without a child.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import select
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+from gradequiv.harness.errors import EXIT_FAIL
+from gradequiv.harness.options import CheckOptions
+
+#: environment of the child: the pipe's write end, and the run's identity (id, start,
+#: command line, pid of this process), so that the report names the run the user started
+CHANNEL_FD = "GRADEQUIV_SUPERVISOR_FD"
+IDENTITY = "GRADEQUIV_RUN_IDENTITY"
+
+#: seconds a child that said it is done may take to exit (a thread left running keeps it)
+EXIT_GRACE_S = 10.0
+#: seconds between SIGTERM and SIGKILL when the child must be stopped
+STOP_GRACE_S = 5.0
+#: the least time the child's start-up (importing torch and the implementation, collecting
+#: the suite) gets before its first case, whatever the case timeout: minutes on a busy machine
+STARTUP_S = 120.0
+
+
+def run(options: CheckOptions, argv: list[str], *, case_timeout: float) -> int:
+    """Run ``gradequiv check ARGV --in-process`` as a child and decide its exit code."""
+    from gradequiv.harness.reports.files import claim_report_dir, lock_report_dir, run_identity
+
+    identity = run_identity()
+    with contextlib.ExitStack() as stack:
+        if options.report_dir is not None:
+            stack.enter_context(lock_report_dir(options.report_dir, identity))
+            claim_report_dir(options.report_dir)
+        child = _Child([*argv, "--in-process"], identity)
+        stack.enter_context(_forwarding_signals(child.process))
+        ended = child.watch(case_timeout)
+    if ended is None:
+        return child.code
+    print(f"gradequiv: FAIL: {ended}", file=sys.stderr)
+    kept = _write_ended_report(options.report_dir, child, ended)
+    print(f"gradequiv: {len(child.records)} case(s) finished before it; {kept}",
+          file=sys.stderr)
+    return EXIT_FAIL
+
+
+class _Child:
+    """The child process and what it said over the pipe."""
+
+    def __init__(self, argv: list[str], identity: dict[str, Any]) -> None:
+        read, write = os.pipe()
+        env = dict(os.environ)
+        env[CHANNEL_FD] = str(write)
+        env[IDENTITY] = json.dumps(identity)
+        # The child must import what this process can: a user's module beside a test, or
+        # on a path a script put on sys.path.
+        path = [p for p in sys.path if p and Path(p).exists()]
+        env["PYTHONPATH"] = os.pathsep.join(p for p in [*path, env.get("PYTHONPATH")] if p)
+        self.process = subprocess.Popen(
+            [sys.executable, "-m", "gradequiv.harness", *argv], env=env, pass_fds=(write,),
+            process_group=0, preexec_fn=_die_with_parent)
+        os.close(write)
+        self.read = read
+        self.records: list[dict[str, Any]] = []
+        self.during: dict[str, Any] | None = None
+        self.phase: str | None = None
+        self.code: int = EXIT_FAIL
+        self._said_done = False
+        self._buffer = b""
+
+    def watch(self, case_timeout: float) -> str | None:
+        """Follow the child to its end: None when it ended as it said it would, else how
+        it ended without saying so (the failure's words)."""
+        try:
+            hung = self._follow(case_timeout)
+        finally:
+            os.close(self.read)
+        if hung:
+            self._stop()
+            return (f"the implementation hung during {self._where()}: nothing finished in "
+                    f"{case_timeout:g} s (--case-timeout); the process was stopped")
+        if self._said_done:
+            try:
+                self.process.wait(EXIT_GRACE_S)
+            except subprocess.TimeoutExpired:
+                self._stop()
+                print("gradequiv: warning: the implementation left a thread running after "
+                      "the run ended; its process was stopped", file=sys.stderr)
+            return None
+        status = self.process.wait()
+        how = (f"killed by {signal.Signals(-status).name}" if status < 0 else
+               f"exit status {status}, without finishing the run (os._exit or a crash?)")
+        return f"the implementation ended the process during {self._where()}: {how}"
+
+    def _follow(self, case_timeout: float) -> bool:
+        """Read events until the pipe closes; True when nothing came for too long."""
+        deadline = time.monotonic() + max(case_timeout, STARTUP_S) if case_timeout else None
+        while True:
+            wait = None if deadline is None else max(0.0, deadline - time.monotonic())
+            try:
+                ready, _, _ = select.select([self.read], [], [], wait)
+            except InterruptedError:  # a forwarded signal; go on reading
+                continue
+            if not ready:
+                return True
+            chunk = os.read(self.read, 1 << 16)
+            if not chunk:
+                return False
+            self._buffer += chunk
+            *lines, self._buffer = self._buffer.split(b"\n")
+            for line in lines:
+                self._hear(json.loads(line))
+            if deadline is not None:
+                deadline = time.monotonic() + case_timeout
+
+    def _hear(self, event: dict[str, Any]) -> None:
+        kind = event["event"]
+        if kind == "case":
+            self.during, self.phase = event, None
+        elif kind == "phase":
+            self.phase = event["what"]
+        elif kind == "record":
+            self.records.append(event["record"])
+        elif kind == "end":
+            self.code, self._said_done = int(event["code"]), True
+
+    def _where(self) -> str:
+        if self.phase is not None:
+            return self.phase
+        if self.during is not None:
+            return str(self.during["description"])
+        return "start-up, before the first case"
+
+    def _stop(self) -> None:
+        with contextlib.suppress(ProcessLookupError):
+            self.process.terminate()
+        try:
+            self.process.wait(STOP_GRACE_S)
+        except subprocess.TimeoutExpired:
+            self.process.kill()
+            self.process.wait()
+
+
+def _write_ended_report(report_dir: Path | None, child: _Child, ended: str) -> str:
+    """report.json after a child that ended early: its last report with every finished case
+    and the end as the failure. Says where the cases went."""
+    if report_dir is None:
+        return "no --report-dir, so no report was written"
+    from gradequiv.harness.reports.files import REPORT_FILE, write_json_atomic
+    from gradequiv.harness.reports.report import process_ended_report
+
+    path = report_dir / REPORT_FILE
+    try:
+        last = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return f"the run wrote no report before it ended, so {path} was not written"
+    write_json_atomic(path, process_ended_report(last, child.records, message=ended,
+                                                 during=child.during))
+    return f"they are kept in {path}, marked incomplete"
+
+
+@contextlib.contextmanager
+def _forwarding_signals(process: subprocess.Popen[bytes]) -> Iterator[None]:
+    """SIGINT and SIGTERM go to the child (in its own process group, it hears them once,
+    from here), which then writes its report as an interrupted run."""
+    def forward(signum: int, frame: Any) -> None:
+        with contextlib.suppress(ProcessLookupError):
+            process.send_signal(signum)
+
+    previous = {s: signal.signal(s, forward) for s in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        yield
+    finally:
+        for s, handler in previous.items():
+            signal.signal(s, handler)
+
+
+def _die_with_parent() -> None:
+    """In the child, before exec (Linux): SIGTERM when this process dies, so that a child
+    in its own process group is not left running by a killed parent."""
+    if sys.platform.startswith("linux"):
+        import ctypes
+
+        with contextlib.suppress(OSError, AttributeError):
+            ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+
+
+class ChildChannel:
+    """The child's side: tells the supervisor what the run is doing (a ``RunObserver``)."""
+
+    def __init__(self, fd: int) -> None:
+        self._out = os.fdopen(fd, "w", encoding="utf-8", buffering=1)
+
+    @classmethod
+    def from_environment(cls) -> ChildChannel | None:
+        """The channel this process was started with, if a supervisor started it."""
+        fd = os.environ.pop(CHANNEL_FD, None)
+        return cls(int(fd)) if fd is not None else None
+
+    def _say(self, event: dict[str, Any]) -> None:
+        line = json.dumps(event, allow_nan=False) + "\n"  # a record that is not JSON: a bug
+        try:
+            self._out.write(line)
+            self._out.flush()
+        except (BrokenPipeError, ValueError):
+            pass  # the supervisor is gone: the run goes on and writes its report alone
+
+    def case_started(self, impl: Any, case: Any, device: Any) -> None:
+        from gradequiv.harness.reports.report import reproduce_command
+
+        self._say({"event": "case", "description": case.describe(), "case": case.to_dict(),
+                   "reproduce": reproduce_command(impl, case, device)})
+
+    def case_finished(self, record: dict[str, Any]) -> None:
+        self._say({"event": "record", "record": record})
+
+    def phase(self, what: str) -> None:
+        self._say({"event": "phase", "what": what})
+
+    def ended(self, code: int) -> None:
+        """The run chose its exit code: the last word."""
+        self._say({"event": "end", "code": code})
+        with contextlib.suppress(OSError, ValueError):
+            self._out.close()
