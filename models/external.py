@@ -164,7 +164,7 @@ def reproducibility_problem(config: ExternalConfig, seed: int = 0) -> str | None
     parameter or buffer, since each path trains its own. A factory that draws from the
     global generator is fine: the harness seeds it with ``seed`` before each call.
     """
-    first, second = (_seeded_build(config, seed) for _ in range(2))
+    first, second = (seeded_user_model(config, seed) for _ in range(2))
     shared = _shared_tensor(first, second)
     if shared is not None:
         return (f"--model={config.factory!r} is not reproducible: two builds with seed {seed} "
@@ -179,8 +179,8 @@ def reproducibility_problem(config: ExternalConfig, seed: int = 0) -> str | None
             f"cannot tell recompute noise from model noise")
 
 
-def _seeded_build(config: ExternalConfig, seed: int) -> UserModel:
-    """The factory called as the workload's build calls it: the global CPU generator seeded
+def seeded_user_model(config: ExternalConfig, seed: int) -> UserModel:
+    """The factory called the one way every build calls it: the global CPU generator seeded
     with ``seed`` for the call, and put back after."""
     with torch.random.fork_rng(devices=[]):
         torch.default_generator.manual_seed(seed)

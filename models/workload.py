@@ -16,7 +16,7 @@ from torch import Tensor
 
 from gradequiv.harness.errors import InvalidArgument
 from gradequiv.models.batchnorm import BatchNormConfig, BatchNormNet
-from gradequiv.models.external import ExternalConfig, ExternalModel, load_user_model
+from gradequiv.models.external import ExternalConfig, ExternalModel, seeded_user_model
 from gradequiv.models.granularity import Granularity
 from gradequiv.models.segments import RoutedModel, Segment
 from gradequiv.models.transformer import Transformer, TransformerConfig
@@ -134,10 +134,8 @@ def build(
 
 def _build_external(config: ExternalConfig, seed: int, device: torch.device | str) -> Workload:
     """A user's model from its factory (``--model``); the factory decides the batch."""
-    with torch.random.fork_rng(devices=[]):
-        torch.default_generator.manual_seed(seed)
-        user = load_user_model(config, seed)
-        model = ExternalModel(user.model, user.segments)
+    user = seeded_user_model(config, seed)
+    model = ExternalModel(user.model, user.segments)  # draws nothing: only routes segments
     model.to(device)
     inputs = tuple(t.to(device) if t is not None else None for t in user.inputs)
     return Workload(model, inputs, user.targets.to(device), user.loss_fn)
