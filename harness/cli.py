@@ -104,6 +104,10 @@ def build_parser() -> argparse.ArgumentParser:
                        help="write DIR/report.json")
     check.add_argument("--no-shrink", action="store_true",
                        help="report each failing example as found, without shrinking it")
+    check.add_argument("--shrink-budget", default=None, metavar="SECONDS",
+                       help="stop shrinking a failure after this long and report the smallest "
+                            "found (default: no time limit; the same seed then gives the same "
+                            "report on any machine)")
     check.add_argument("--case-timeout", type=_seconds("--case-timeout"),
                        default=CASE_TIMEOUT_S, metavar="SECONDS",
                        help="fail the run when the implementation makes no progress for "
@@ -233,8 +237,8 @@ def options_from_args(args: argparse.Namespace) -> CheckOptions:
         impl=args.impl, impl_kwargs=args.impl_kwarg, adapter=args.adapter, seed=args.seed,
         examples=args.examples, profile=args.profile, device=args.device,
         report_dir=args.report_dir, case=args.case, rtol=args.rtol, atol=args.atol,
-        shrink=not args.no_shrink, shard=args.shard or (1, 1), model=args.model,
-        deterministic=args.deterministic)
+        shrink=not args.no_shrink, shrink_budget=args.shrink_budget,
+        shard=args.shard or (1, 1), model=args.model, deterministic=args.deterministic)
 
 
 @contextlib.contextmanager

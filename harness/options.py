@@ -56,6 +56,7 @@ class CheckOptions:
     atol: float | None = None
     models: tuple[str, ...] = (TRANSFORMER,)
     shrink: bool = True  # False: report the first failing example as found
+    shrink_budget: float | None = None  # seconds a test may shrink its failure (None: no limit)
     shard: tuple[int, int] = (1, 1)  # (i, n): this run is shard i of n, 1-based
     model: str | None = None  # a user's model factory (package.module:attr) instead of ours
     deterministic: bool = False
@@ -112,6 +113,7 @@ def check_options(
     atol: Any = None,
     models: Any = (TRANSFORMER,),
     shrink: Any = True,
+    shrink_budget: Any = None,
     shard: Any = (1, 1),
     model: str | None = None,
     deterministic: Any = False,
@@ -145,6 +147,8 @@ def check_options(
         atol=None if atol is None else validate.bound(flag("atol"), atol),
         models=tuple(validate.choice(flag("models"), m, DRAWN_MODELS) for m in models),
         shrink=validate.boolean("shrink", shrink),
+        shrink_budget=None if shrink_budget in (None, "") else validate.bound(
+            flag("shrink_budget"), shrink_budget),
         shard=validate.shard(flag("shard"), shard),
         model=model,
         deterministic=validate.boolean(flag("deterministic"), deterministic),

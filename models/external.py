@@ -107,7 +107,7 @@ class ExternalModel(RoutedModel):
             real = modules[name]
             shell = _Shell(real, real.forward)
             object.__setattr__(shell, "router", self.router)
-            self._shells.append((f"inner.{name}", shell))
+            self._shells.append((name, shell))
             self._route(real, shell)
 
     def _route(self, real: nn.Module, shell: _Shell) -> None:
@@ -128,6 +128,9 @@ class ExternalModel(RoutedModel):
     def selected(self) -> list[nn.Module]:
         """The user's submodules selected for recompute (for toggles that pick their own)."""
         return [shell.real for _, shell in self._shells if self.router.installed(shell)]
+
+    def user_view(self) -> nn.Module:
+        return self.inner  # "blocks.0.linear.weight", as the user's model names it
 
     def forward(self, *inputs: Any) -> Any:
         return self.inner(*inputs)

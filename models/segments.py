@@ -101,6 +101,10 @@ class RoutedModel(nn.Module):
     def segments(self, granularity: Any) -> list[Segment]:
         raise NotImplementedError
 
+    def user_view(self) -> nn.Module:
+        """The module whose names the model's author wrote (reports name tensors by it)."""
+        return self
+
     def gradient_checkpointing_enable(self, checkpoint_fn: SegmentCall | None = None) -> None:
         """Recompute the installed segments through ``checkpoint_fn`` (torch's by default).
 
@@ -114,3 +118,9 @@ class RoutedModel(nn.Module):
                 return checkpoint(module, *args, use_reentrant=False, **kwargs)
 
         self.router.enable(checkpoint_fn)
+
+
+def user_view(model: nn.Module) -> nn.Module:
+    """``model.user_view()`` where the model has one, else the model itself."""
+    view = getattr(model, "user_view", None)
+    return view() if callable(view) else model

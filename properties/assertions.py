@@ -12,24 +12,46 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
-from hypothesis import currently_in_test_context, event, target
+from hypothesis import currently_in_test_context, event, reject, target
 
 from gradequiv.harness import Case, Implementation, Verdict, verify
-from gradequiv.harness.reports.report import reproduce_command, verdict_record
+from gradequiv.harness.reports.report import (
+    pytest_reproduce_command,
+    reproduce_command,
+    verdict_record,
+)
 from gradequiv.properties import runtime
 
-CASE_KEY, FAILURE_KEY = runtime.CASE_KEY, runtime.FAILURE_KEY
+CASE_KEY, FAILURE_KEY, SHRINK_KEY = runtime.CASE_KEY, runtime.FAILURE_KEY, runtime.SHRINK_KEY
 
 
-def assert_property(name: str, impl: Implementation, case: Case, node: pytest.Item) -> None:
-    """Fail the running test unless property ``name`` holds for ``case``."""
+def assert_property(name: str, impl: Implementation, case: Case, node: pytest.Item, *,
+                    found_by: str | None = None) -> None:
+    """Fail the running test unless property ``name`` holds for ``case``.
+
+    ``found_by`` names the earlier test whose minimal failure ``case`` is, when this test
+    fails on it without a search of its own.
+    """
     __tracebackhide__ = True
     run = runtime.RUN
     run.used = impl
     device = run.device()
+    # After a test's first failure, every new case it runs is Hypothesis shrinking it:
+    # counted in the report, not kept (only the minimal one is).
+    shrinking = any(key == FAILURE_KEY for key, _ in node.user_properties)
+    if shrinking and not run.cache.has(impl, case, device):
+        smallest = run.shrinking[1] if run.shrinking else case
+        # Not tried: a case costlier than the smallest failure so far (Hypothesis's order of
+        # choices is not one of cost: a smaller first choice can mean a bigger model), and
+        # any new case once the shrink budget is spent. Hypothesis reports the smallest.
+        if case.cost() > smallest.cost() or not run.may_shrink(node.name):
+            reject()
     verdict, fresh = run.cache.verify(impl, case, device)
+    command = _reproduce(impl, case, device)
     if fresh:
-        record = verdict_record(impl, verdict, device)
+        record = verdict_record(impl, verdict, device, reproduce=command)
+        if shrinking:
+            record[SHRINK_KEY] = True
         node.user_properties.append((CASE_KEY, record))
         run.record(record)
     if currently_in_test_context():
@@ -37,24 +59,50 @@ def assert_property(name: str, impl: Implementation, case: Case, node: pytest.It
     message = _failure(name, verdict)
     if not message:
         return
-    command = reproduce_command(impl, case, device)
     failure = {"property": name, "message": message, "flaky": False,
                "case": case.to_dict(), "description": case.describe(), "reproduce": command}
+    if found_by is not None:
+        failure["found_by"] = found_by
     node.user_properties[:] = [p for p in node.user_properties if p[0] != FAILURE_KEY]
     node.user_properties.append((FAILURE_KEY, failure))
+    run.shrinking = (node.name, case)  # the smallest failure so far, for progress lines
+    found = f" (the minimal failure of {found_by}; not searched again)" if found_by else ""
     pytest.fail(
-        f"property {name!r} failed for {case.describe()}\n  {message}\n"
+        f"property {name!r} failed for {case.describe()}{found}\n  {message}\n"
         f"  case: {case.to_json()}\n  reproduce: {command}",
         pytrace=False,
     )
+
+
+def assert_known_failures(name: str, impl: Implementation, node: pytest.Item) -> None:
+    """Fail at once on the first minimal failure an earlier test of this run shrank to
+    where property ``name`` fails too (its verdict is cached: this costs nothing)."""
+    __tracebackhide__ = True
+    run = runtime.RUN
+    for found_by, case in run.minimal_cases:
+        verdict, _ = run.cache.verify(impl, case, run.device())
+        if _failure(name, verdict):
+            assert_property(name, impl, case, node, found_by=found_by)
+
+
+def _reproduce(impl: Implementation, case: Case, device: Any) -> str:
+    """The command that replays ``case``: ``gradequiv check`` for an implementation named by
+    its SPEC, the run's own pytest command for one a conftest fixture provides."""
+    run = runtime.RUN
+    if run.pytest_args is not None and run.from_fixture(impl):
+        return pytest_reproduce_command(run.pytest_args, case)
+    return reproduce_command(impl, case, device)
 
 
 def replay_passes(impl: Implementation, failure: dict[str, Any]) -> bool:
     """Run a failure's case again, outside the cache: does the property hold now?"""
     case = Case.from_dict(failure["case"])
     run = runtime.RUN
-    verdict = verify(impl, case, device=run.device(), tolerance=run.tolerance(case))
-    return _failure(failure["property"], verdict) == ""
+    key = (runtime.implementation_key(impl), case.to_json())
+    if key not in run.cache.replayed:  # tests that share a minimal case share its replay
+        run.cache.replayed[key] = verify(impl, case, device=run.device(),
+                                         tolerance=run.tolerance(case))
+    return _failure(failure["property"], run.cache.replayed[key]) == ""
 
 
 def locate(impl: Implementation, failure: dict[str, Any]) -> None:
@@ -70,6 +118,19 @@ def locate(impl: Implementation, failure: dict[str, Any]) -> None:
     found = located[key]
     failure["localisation"] = found.describe()
     failure["first_diverging_op"] = found.divergence.to_dict() if found.divergence else None
+    if found.divergence is None and found.matched and failure["property"] in NOT_IN_OPS:
+        failure["localisation"] = (f"every recomputed op of step 1 matched its original; "
+                                   f"{NOT_IN_OPS[failure['property']]}")
+
+
+#: What the evidence says where step 1's recomputed ops all match and a property still fails.
+NOT_IN_OPS = {
+    "rng": "the RNG stream after the step differs from full storage's (the generator is left "
+           "moved: drawn from and not put back)",
+    "trajectory": "the difference first shows at a later step (state carried between steps)",
+    "buffers": "the difference is in module state (buffers changed outside the ops compared)",
+    "inference": "the difference is in a forward without backward (eval or no_grad)",
+}
 
 
 def _failure(name: str, verdict: Verdict) -> str:

@@ -51,6 +51,7 @@ _OPTIONS: list[tuple[str, str, dict[str, Any]]] = [
      {"action": "store_true"}),
     ("no-shrink", "report the first failing example as found, without shrinking it",
      {"action": "store_true"}),
+    ("shrink-budget", "seconds a test may spend shrinking its failure (default: no limit)", {}),
 ]
 
 
@@ -136,7 +137,7 @@ def _options(config: pytest.Config) -> tuple[CheckOptions, Any, Any]:
         seed = 0 if profile == "ci" else random.randrange(2**16)
     raw = {name.replace("-", "_"): _setting(config, name) for name in
            ("impl", "adapter", "examples", "device", "report-dir", "case", "rtol", "atol",
-            "model", "shard", "models")}
+            "model", "shard", "models", "shrink-budget")}
     raw = {k: v for k, v in raw.items() if v is not None}
     try:
         options = check_options(
@@ -152,6 +153,8 @@ def _options(config: pytest.Config) -> tuple[CheckOptions, Any, Any]:
 def pytest_configure(config: pytest.Config) -> None:
     options, implementation, observer = _options(config)
     runtime.RUN = runtime.SuiteState(options, implementation, observer)
+    if not any(isinstance(p, SuiteRun) for p in config.pluginmanager.get_plugins()):
+        runtime.RUN.pytest_args = list(config.invocation_params.args)
     if options.deterministic:
         import torch
 
@@ -168,7 +171,8 @@ def pytest_configure(config: pytest.Config) -> None:
 
 
 class _Progress:
-    """Progress lines on long runs: cases verified, failing, seconds, the case just run.
+    """Progress lines on long runs: cases verified, failing, seconds, the case just run (or,
+    while a failure is shrunk, the tries and the smallest failing case so far).
 
     Plain lines (they must read well in a CI log, where nothing is a
     terminal), written past pytest's output capture: the first after a few
@@ -180,22 +184,33 @@ class _Progress:
     def __init__(self, config: pytest.Config) -> None:
         self.config, self.clock = config, time.monotonic
         self.started = self.last = self.clock()
-        self.cases = self.failing = 0
+        self.cases = self.failing = self.tries = 0
         self.quiet = config.get_verbosity() < -1
 
     def __call__(self, verdict: Any) -> None:
         self.cases += 1
         first_failure = not verdict.passed and self.failing == 0
         self.failing += not verdict.passed
+        shrinking = runtime.RUN.shrinking
+        if shrinking is None:
+            self.tries = 0
+        else:
+            self.tries += 1
         now = self.clock()
         due = self.FIRST_S if self.last == self.started else self.EVERY_S
         if self.quiet or not (first_failure or now - self.last >= due):
             return
         self.last = now
         cases = f"{self.cases} case{'s' if self.cases != 1 else ''}"
-        line = (f"gradequiv: {cases} verified, {self.failing} failing, "
-                f"{now - self.started:.0f} s; {'FAILED' if not verdict.passed else 'last'}: "
-                f"{verdict.case.describe()}")
+        if shrinking is not None:
+            test, smallest = shrinking
+            tries = f"{self.tries} {'try' if self.tries == 1 else 'tries'}"
+            doing = (f"shrinking {test}'s failure: {tries}, smallest so far: "
+                     f"{smallest.describe()}")
+        else:
+            doing = f"{'FAILED' if not verdict.passed else 'last'}: {verdict.case.describe()}"
+        line = f"gradequiv: {cases} verified, {self.failing} failing, " \
+               f"{now - self.started:.0f} s; {doing}"
         reporter = self.config.pluginmanager.getplugin("terminalreporter")
         capture = self.config.pluginmanager.getplugin("capturemanager")
         if reporter is None or capture is None:
@@ -257,6 +272,10 @@ def recompute_impl() -> Any:
         pytest.fail(str(exc), pytrace=False)
 
 
+def pytest_runtest_setup(item: pytest.Item) -> None:
+    runtime.RUN.shrinking = None  # a new test: no failure of its own yet
+
+
 @pytest.hookimpl(wrapper=True)
 def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) -> Any:
     """Replay a suite test's minimal failure once, outside the cache (flaky or not), and
@@ -271,10 +290,23 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) ->
             if key != FAILURE_KEY:
                 continue
             test = item.nodeid.split("::")[-1]
-            runtime.RUN.phase(f"the replay of {test}'s minimal failure, {failure['description']}")
-            if replay_passes(impl, failure):
-                failure["flaky"] = True
-                report.longrepr = f"FLAKY (passed on replay: nondeterministic)\n{report.longrepr}"
+            named = test.startswith("test_named_case")
+            if not named and "found_by" not in failure:
+                from gradequiv.harness import Case
+
+                runtime.RUN.minimal_cases.append((test, Case.from_dict(failure["case"])))
+            # Once a drawn minimal failure came back on replay, the implementation is known
+            # to fail for certain; replaying each named case's failure too (seconds apiece on
+            # the large ones) would only say so again.
+            if not (named and runtime.RUN.failed_for_certain):
+                runtime.RUN.phase(f"the replay of {test}'s minimal failure, "
+                                  f"{failure['description']}")
+                if replay_passes(impl, failure):
+                    failure["flaky"] = True
+                    report.longrepr = (f"FLAKY (passed on replay: nondeterministic)\n"
+                                       f"{report.longrepr}")
+                elif not named:
+                    runtime.RUN.failed_for_certain = True
             runtime.RUN.phase(f"the localisation of {test}'s minimal failure, "
                               f"{failure['description']}")
             locate(impl, failure)
@@ -294,6 +326,8 @@ class _Gatherer:
         self.records: dict[str, dict[str, Any]] = {}
         self.failures: list[dict[str, Any]] = []
         self.outcomes: dict[str, str] = {}
+        self.errors: dict[str, str] = {}  # tests that failed without a property failure
+        self.case_files: dict[str, str] = {}  # reproduce -> its case file
         self.collected = False
         self.is_worker = hasattr(config, "workerinput")
         self.written_at = -float("inf")
@@ -329,37 +363,67 @@ class _Gatherer:
         if "test_recompute.py::" not in report.nodeid:
             return
         self.collected = True  # under xdist the controller collects nothing itself
+        test = report.nodeid.split("::")[-1]
+        found = []
         for key, value in report.user_properties:
             if not isinstance(value, dict):
                 continue
             if key == CASE_KEY:
                 self.records.setdefault(value["reproduce"], value)
             elif key == FAILURE_KEY and report.failed and report.when == "call":
-                self.failures.append(dict(value, test=report.nodeid.split("::")[-1]))
+                found.append(dict(value, test=test))
+        for failure in found:  # after the loop: its case's record is in by now
+            self._explain(failure)
+            self.failures.append(failure)
+        if report.failed and not found:  # no verdict to show: say why it failed
+            lines = str(report.longrepr).strip().splitlines()
+            self.errors[test] = lines[-1] if lines else report.outcome
         if report.when == "call" or report.failed:
-            self.outcomes[report.nodeid.split("::")[-1]] = report.outcome
+            self.outcomes[test] = report.outcome
         if report.when == "teardown" and self._writes_report():
             self.write_report(complete=False)  # a kill from here on keeps what finished
+
+    def _explain(self, failure: dict[str, Any]) -> None:
+        """A minimal failure's likely cause in words, and its case in a file of the report
+        folder (one per distinct case) for a reproduce line short enough to copy."""
+        from gradequiv.harness.reports.diagnosis import diagnose
+        from gradequiv.harness.reports.files import CASES_DIR, write_json_atomic
+        from gradequiv.harness.reports.report import with_case_file
+
+        failure["diagnosis"] = diagnose(failure, self.records.get(failure["reproduce"])).to_dict()
+        report_dir = runtime.RUN.options.report_dir
+        if report_dir is None or self.is_worker:
+            return
+        path = self.case_files.get(failure["reproduce"])
+        if path is None:
+            path = str(report_dir / CASES_DIR / f"minimal-{len(self.case_files) + 1}.json")
+            write_json_atomic(Path(path), failure["case"])
+            self.case_files[failure["reproduce"]] = path
+        failure["reproduce_file"] = with_case_file(failure["reproduce"], path)
 
     def pytest_terminal_summary(self, terminalreporter: Any) -> None:
         if not self.outcomes:
             return
+        from gradequiv.harness.reports.report import distinct_cases
+        from gradequiv.harness.reports.terminal import summary_lines
+
         write = terminalreporter.write_line
         terminalreporter.section("gradequiv")
-        failing = sum(r["verdict"] == "fail" for r in self.records.values())
+        kept, shrunk = distinct_cases(list(self.records.values()), self.failures)
+        failing = sum(r["verdict"] == "fail" for r in kept)
         passed = sum(o == "passed" for o in self.outcomes.values())
-        write(f"{len(self.records)} case(s) verified, {failing} failing; "
+        tried = f" (and {shrunk} more tried while shrinking)" if shrunk else ""
+        write(f"{len(kept)} case(s) verified{tried}, {failing} failing; "
               f"{passed} of {len(self.outcomes)} property tests passed")
-        for failure in self.failures[:7]:
-            flaky = " [flaky]" if failure["flaky"] else ""
-            write(f"{failure['test']}{flaky}: {failure['description']}")
-            write(f"    {failure['message'].splitlines()[0]}")
-            if failure.get("localisation"):
-                write(f"    {failure['localisation']}")
-            write(f"    reproduce: {failure['reproduce']}")
+        failed = self.failures or any(o != "passed" for o in self.outcomes.values())
+        headline = next((f["diagnosis"]["sentence"] for f in self.failures
+                         if f.get("diagnosis")), "")
+        if headline:
+            write(f"likely cause: {headline}")
+        for line in summary_lines(self.failures, self.errors):
+            write(line)
         if runtime.RUN.options.report_dir is not None:
             write(f"report: {runtime.RUN.options.report_dir / 'report.json'}")
-        failed = self.failures or any(o != "passed" for o in self.outcomes.values())
         write(f"verdict: {'FAIL' if failed else 'pass'} (Using --gradequiv-seed="
               f"{runtime.RUN.options.seed})")
 

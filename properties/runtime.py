@@ -11,6 +11,7 @@ seed, so each case runs down its paths once, whichever property asks first.
 from __future__ import annotations
 
 import os
+import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -22,6 +23,12 @@ if TYPE_CHECKING:  # torch stays unimported until a test runs
 #: user_properties keys that carry verdicts and failures from a test (or an xdist worker).
 CASE_KEY = "gradequiv_case"
 FAILURE_KEY = "gradequiv_failure"
+#: New cases a test may try while shrinking its failure: a typical fault's minimal case is
+#: reached in 20 to 30, and the bound keeps a failing run's cost independent of the
+#: machine's speed (``--shrink-budget`` adds a limit in seconds).
+SHRINK_TRIES = 30
+#: set in a case record made while Hypothesis shrinks a failure: counted, not kept
+SHRINK_KEY = "shrink_attempt"  # the same as harness.reports.report.SHRINK_KEY
 
 
 def default_profile() -> str:
@@ -60,6 +67,11 @@ class VerdictCache:
         self.on_start: Callable[[Implementation, Case, Any], None] | None = None
         #: localisations of minimal failures, by (implementation, case): tests share them
         self.located: dict[tuple[str, str], Any] = {}
+        #: replays of minimal failures outside the cache, by (implementation, case)
+        self.replayed: dict[tuple[str, str], Verdict] = {}
+
+    def has(self, impl: Implementation, case: Case, device: Any) -> bool:
+        return (implementation_key(impl), case.to_json(), str(device)) in self._verdicts
 
     def verify(self, impl: Implementation, case: Case, device: Any) -> tuple[Verdict, bool]:
         """The verdict, and whether it was computed now (False: from the cache)."""
@@ -79,6 +91,7 @@ class VerdictCache:
     def clear(self) -> None:
         self._verdicts.clear()
         self.located.clear()
+        self.replayed.clear()
 
 
 class SuiteState:
@@ -99,9 +112,37 @@ class SuiteState:
         self.on_record: list[Callable[[dict[str, Any]], None]] = []
         #: who watches this run from outside (``gradequiv check``'s supervisor), if anyone
         self.observer = observer
+        #: (test, case) of each minimal failure so far: later tests try these first
+        self.minimal_cases: list[tuple[str, Case]] = []
+        #: (test, smallest failing case so far) while a test shrinks a failure, else None
+        self.shrinking: tuple[str, Case] | None = None
+        self._shrinks: dict[str, list[float]] = {}  # test -> [new cases tried, start]
+        #: a drawn test's minimal failure came back when replayed outside the cache
+        self.failed_for_certain = False
+        #: the pytest command line of a run started by pytest itself (None: by ``check``)
+        self.pytest_args: list[str] | None = None
         if observer is not None:
             self.cache.on_start = observer.case_started
             self.on_record.append(observer.case_finished)
+
+    def from_fixture(self, impl: Implementation) -> bool:
+        """Whether ``impl`` came from a conftest's ``recompute_impl``, not from the options."""
+        if self.options.impl is None:
+            return True
+        try:
+            return impl is not self.implementation()
+        except Exception:  # a SPEC that does not resolve: the fixture stood in for it
+            return True
+
+    def may_shrink(self, test: str) -> bool:
+        """Whether ``test`` may try one more new case while shrinking (counted if so)."""
+        tries = self._shrinks.setdefault(test, [0, time.monotonic()])
+        budget = self.options.shrink_budget
+        if tries[0] >= SHRINK_TRIES or (budget is not None
+                                        and time.monotonic() - tries[1] > budget):
+            return False
+        tries[0] += 1
+        return True
 
     def phase(self, what: str) -> None:
         """The run moves on to ``what`` (a replay, a localisation): tell the observer."""

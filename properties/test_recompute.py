@@ -3,12 +3,16 @@
 Run it with ``pytest --pyargs gradequiv.properties --gradequiv-impl SPEC``
 (``gradequiv check`` does exactly that). All seven tests draw the same cases
 from the same seed, and verdicts are cached per case, so each case runs down
-its paths once; pytest-xdist may still spread the tests over workers.
-``test_named_case`` runs the fixed spread every time, whatever is drawn.
+its paths once; pytest-xdist may still spread the tests over workers. A test
+first tries the minimal failures earlier tests of its process shrank to, and
+fails on one of them at once if its property fails there too: one fault is
+shrunk once, not once per property it breaks. ``test_named_case`` runs the
+fixed spread every time, whatever is drawn.
 """
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from typing import Any
 
@@ -29,7 +33,7 @@ from gradequiv.harness.engine.spread import compile_cases, load_case
 from gradequiv.harness.implementations.compiled import is_compile_spec
 from gradequiv.models.kinds import BATCHNORM
 from gradequiv.properties import runtime
-from gradequiv.properties.assertions import assert_property
+from gradequiv.properties.assertions import assert_known_failures, assert_property
 from gradequiv.properties.strategies import cases, compiled_cases, external_cases
 
 OPTIONS = runtime.RUN.options
@@ -76,7 +80,17 @@ def _suite(test: Callable[..., None]) -> Callable[..., None]:
         suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture,
                                HealthCheck.data_too_large],
     )
-    return profile(seed(OPTIONS.draw_seed)(given(case=_drawn_cases())(test)))
+    search = profile(seed(OPTIONS.draw_seed)(given(case=_drawn_cases())(test)))
+    prop = test.__name__.removeprefix("test_")
+
+    @functools.wraps(search)
+    def run(recompute_impl: Implementation, request: Any) -> None:
+        # A fault usually fails several properties: where a minimal case an earlier test
+        # shrank to fails this one too, it is this test's failure, found without a search.
+        assert_known_failures(prop, recompute_impl, request.node)
+        search(recompute_impl=recompute_impl, request=request)
+
+    return run
 
 
 @_suite

@@ -18,8 +18,9 @@ from hypothesis.internal.conjecture import engine
 
 TESTS = Path(__file__).resolve().parent
 GRADEQUIV = Path(sys.executable).with_name("gradequiv")
-#: what may differ between two runs of the same seed: timings and who ran it
-VARYING = {"seconds", "run", "pid", "started"}
+#: what may differ between two runs of the same seed: timings, who ran it, and the report
+#: folder the short reproduce line names
+VARYING = {"seconds", "run", "pid", "started", "reproduce_file"}
 
 
 def _without_timings(value: Any) -> Any:

@@ -39,7 +39,8 @@ def test_dropped_keyword_arguments_show_as_another_op_sequence() -> None:
                                   "2L-layer-bf16-dropout"])
 def test_a_correct_recompute_has_no_diverging_op(case: str) -> None:
     found = localise(resolve("torch"), find_case(case))
-    assert found.divergence is None and "every recomputed op matched" in found.reason
+    assert found.divergence is None and found.matched
+    assert "every recomputed op of step 1 matched" in found.reason
 
 
 def test_when_nothing_is_recomputed_it_says_so_instead_of_guessing() -> None:

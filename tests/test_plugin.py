@@ -67,7 +67,10 @@ def test_a_conftest_can_override_the_implementation_fixture(pytester: pytest.Pyt
     )
     result = run(pytester, ONE_CASE)
     result.assert_outcomes(passed=len(PROPERTIES) - 1, failed=1)
-    result.stdout.fnmatch_lines(["test_recompute: *", "*did not run again in backward*"])
+    result.stdout.fnmatch_lines(["minimal failure 1: *", "    fails: recompute (test_recompute)",
+                                 "*did not run again in backward*",
+                                 # only this pytest run knows the fixture: it replays the case
+                                 "    reproduce: python -m pytest * --gradequiv-case *"])
 
 
 def test_without_an_implementation_every_test_says_how_to_give_one(
@@ -151,7 +154,7 @@ def test_a_failure_that_does_not_come_back_on_replay_is_called_flaky(
                  "-k", "test_gradients", f"--gradequiv-report-dir={tmp_path}")
     result.assert_outcomes(failed=1)
     result.stdout.fnmatch_lines(["*FLAKY (passed on replay: nondeterministic)*",
-                                 "test_gradients [[]flaky[]]: *"])
+                                 "minimal failure 1: * [[]flaky: passed when run again[]]"])
     assert report_of(tmp_path)["failure"]["flaky"] is True
 
 
@@ -181,3 +184,26 @@ def test_xdist_workers_see_one_gpu_each(pytester: pytest.Pytester, tmp_path: Pat
     result.assert_outcomes(passed=2)
     seen = {p.name: p.read_text() for p in tmp_path.iterdir()}
     assert seen == {"gw0": "5", "gw1": "7"}
+
+
+def test_the_reproduce_line_of_a_fixture_implementation_replays_its_failure(
+        pytester: pytest.Pytester) -> None:
+    """`gradequiv check --impl ours` cannot rebuild what a conftest built: the line is the
+    pytest command of this run, set to replay the one case."""
+    pytester.makeconftest(
+        "import pytest, wrong_impls\n"
+        "from gradequiv.harness import Implementation\n"
+        "@pytest.fixture(scope='session')\n"
+        "def recompute_impl():\n"
+        "    return Implementation('ours', wrong_impls.no_op)\n"
+    )
+    first = run(pytester, "--gradequiv-examples=2", "--gradequiv-seed=0",
+                "-k", "test_recompute and not named")
+    first.assert_outcomes(passed=len(PROPERTIES) - 1, failed=1)
+    line = next(s for s in first.stdout.lines if s.startswith("    reproduce: "))
+    args = shlex.split(line.removeprefix("    reproduce: "))
+    assert args[:3] == ["python", "-m", "pytest"] and "--gradequiv-impl" not in args
+    assert "-k" not in args and "--gradequiv-examples=2" not in args
+    again = pytester.runpytest(*args[3:])
+    again.assert_outcomes(passed=len(PROPERTIES) - 1, failed=1)  # the one case, replayed
+    again.stdout.fnmatch_lines(["    fails: recompute (test_recompute)"])

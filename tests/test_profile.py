@@ -2,14 +2,18 @@
 
 from __future__ import annotations
 
+import itertools
 import json
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 from gradequiv.harness import Case, Implementation, resolve
 from gradequiv.harness.cli import main
+from gradequiv.harness.commands import profiling
 from gradequiv.harness.commands.profiling import pareto_frontier, percentiles, profile
+from gradequiv.harness.reports.figures import frontier_figure, frontier_title
 from gradequiv.models import BatchConfig, TransformerConfig, parse_granularity
 
 CASE = Case(model=TransformerConfig(n_layer=2, n_embd=16, n_head=2, max_seq_len=8,
@@ -76,6 +80,7 @@ def test_the_command_writes_json_markdown_and_a_png(tmp_path: Path,
     assert code == 0 and "| layer |" in out
     data = json.loads((tmp_path / "profile.json").read_text())
     assert [r["granularity"] for r in data["rows"]] == ["none", "layer"]
+    assert data["implementation"] == "torch" and data["adapter"] == "function"
     assert data["conditions"]["threads"] >= 1 and "batch 2" in data["conditions"]["shape"]
     pytest.importorskip("matplotlib")
     assert data["plot"] == "profile.png"
@@ -92,3 +97,156 @@ def test_bad_profile_options_are_exit_2(args: list[str], message: str,
                                         capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["profile", "--impl", "torch", *args]) == 2
     assert message in capsys.readouterr().err
+
+
+TINY = ["profile", "--impl", "torch", "--layers", "2", "--width", "16", "--heads", "2",
+        "--seq-len", "8", "--batch", "2", "--steps", "2", "--warmup", "1",
+        "--granularity", "none,layer"]
+
+
+def test_the_command_says_each_phase_as_it_starts_and_ends_in_plain_lines(
+        capsys: pytest.CaptureFixture[str]) -> None:
+    """A CI log shows where a long run is; a short one gets two lines a phase, no more."""
+    assert main(TINY) == 0
+    out = capsys.readouterr().out
+    assert "\r" not in out
+    lines = [line for line in out.splitlines() if line.startswith("profile: ")]
+    assert [line.split(":")[1].strip() for line in lines] == [
+        "setup", "setup", "warm-up", "warm-up", "timing", "timing"]
+    assert lines[0].startswith("profile: setup: building 2 models (none, layer)")
+    assert lines[2].endswith("1 round of 2 steps, one per granularity, interleaved, "
+                             "not timed ...")
+    assert lines[4].endswith("2 rounds of 2 steps, one per granularity, interleaved ...")
+    assert all(lines[i].startswith(f"profile: {p}: done in ") and lines[i].endswith(" s")
+               for i, p in ((1, "setup"), (3, "warm-up"), (5, "timing")))
+    assert out.index(lines[-1]) < out.index("| granularity |")  # before the table
+
+
+def test_a_long_phase_says_how_far_it_has_got_at_most_once_an_interval() -> None:
+    ticks = itertools.count(0.0, 4.0)  # a clock 4 s further on at every look
+    lines: list[str] = []
+    say = profiling._Progress(lines.append, every_s=15.0, clock=lambda: next(ticks))
+    say.start("timing", "10 rounds")  # t = 0
+    for step in range(1, 11):
+        say.tick(f"{step} of 10 steps", step / 10)  # t = 4, 8, ..., 40
+    say.end()  # t = 44
+    assert lines == ["profile: timing: 10 rounds ...",
+                     "profile: timing: 4 of 10 steps, 16 s so far, about 24 s left",
+                     "profile: timing: 8 of 10 steps, 32 s so far, about 8 s left",
+                     "profile: timing: done in 44.0 s"]
+
+
+def test_profile_ticks_after_every_step_of_every_phase(monkeypatch: pytest.MonkeyPatch) -> None:
+    """With no interval every tick shows: the round and step counts the loops pass on."""
+    monkeypatch.setattr(profiling, "PROGRESS_EVERY_S", 0.0)
+    lines: list[str] = []
+    profile(resolve("torch"), CASE, GRANULARITIES[:2], steps=2, warmup=1,
+            progress=lines.append)
+    ticks = [line for line in lines if "so far" in line]
+    assert [t.split(", ")[0] for t in ticks] == [
+        "profile: setup: 1 of 2 models built", "profile: setup: 2 of 2 models built",
+        "profile: setup: memory of 1 of 2 counted (none last)",
+        "profile: setup: memory of 2 of 2 counted (layer last)",
+        "profile: warm-up: round 1 of 1", "profile: warm-up: round 1 of 1",
+        "profile: timing: round 1 of 2", "profile: timing: round 1 of 2",
+        "profile: timing: round 2 of 2", "profile: timing: round 2 of 2"]
+    assert "about" in ticks[6] and "1 of 4 steps" in ticks[6] and "about" not in ticks[-1]
+
+
+# Step p50 (ms), held bytes, on the frontier: docs/profile-default, where layer's label
+# ran into group:2's and out of the axes, and mlp's into every:2's.
+DEFAULT_RUN = {"none": (37.36, 15288836, True), "layer": (67.11, 985604, False),
+               "every:2": (54.11, 8071684, True), "group:2": (64.46, 723460, True),
+               "attention": (52.10, 9521668, True), "mlp": (55.54, 8473092, False)}
+
+
+def _profile_json(points: dict[str, tuple[float, int, bool]], **extra: Any) -> dict[str, Any]:
+    rows = [{"granularity": name, "step_s": {"p50": ms / 1e3}, "held_bytes": held,
+             "on_frontier": on} for name, (ms, held, on) in points.items()]
+    conditions = {"shape": "4L x 128w x 64t x batch 4, fp32, seed 0", "device": "cpu",
+                  "threads": 2, "steps": 20, "warmup": 3}
+    return {"implementation": "torch", "conditions": conditions, "rows": rows, **extra}
+
+
+LAYOUTS = {
+    "default run": DEFAULT_RUN,
+    "two nearly coincide": DEFAULT_RUN | {"mlp": (54.15, 8080000, False)},
+    "five on one spot": {name: (50.0 + 0.001 * i, 8_000_000 + i, i == 0)
+                         for i, name in enumerate(DEFAULT_RUN)} | {"none": (200.0, 0, True)},
+    "long name at the corner": DEFAULT_RUN | {"selective:attention,mlp": (70.0, 15288836,
+                                                                         False)},
+    "a label's first choice under the legend": {  # every:2's right-up spot
+        "none": (52.8, 10607109, True), "layer": (63.6, 8035734, False),
+        "every:2": (65.6, 15247612, False), "group:2": (69.2, 15186739, False),
+        "attention": (50.1, 11526385, False), "mlp": (47.8, 15830329, False)},
+}
+
+
+@pytest.mark.parametrize("points", list(LAYOUTS.values()), ids=list(LAYOUTS))
+def test_frontier_labels_overlap_nothing_and_stay_inside_the_axes(
+        points: dict[str, tuple[float, int, bool]]) -> None:
+    plt = pytest.importorskip("matplotlib.pyplot")
+    from matplotlib.text import Text
+
+    fig = frontier_figure(_profile_json(points, adapter="function"))
+    fig.canvas.draw()
+    renderer = fig.canvas.get_renderer()
+    ax = fig.axes[0]
+    labels = {t.get_text(): Text.get_window_extent(t, renderer) for t in ax.texts}
+    assert sorted(labels) == sorted(points)
+    inside, whole = ax.get_window_extent(renderer), fig.bbox
+    for name, box in labels.items():
+        assert inside.x0 <= box.x0 and box.x1 <= inside.x1, name
+        assert inside.y0 <= box.y0 and box.y1 <= inside.y1, name
+    for (a, box_a), (b, box_b) in itertools.combinations(labels.items(), 2):
+        assert not _overlap(box_a, box_b), (a, b)
+    radius = 3 * fig.dpi / 72  # the marker's, 6 points across
+    markers = [ax.transData.transform((ms, held / 2**20)) for ms, held, _ in points.values()]
+    for name, box in labels.items():
+        assert not any(box.x0 < x + radius and x - radius < box.x1
+                       and box.y0 < y + radius and y - radius < box.y1
+                       for x, y in markers), name
+        legend = ax.get_legend()
+        assert legend is None or not _overlap(box, legend.get_window_extent(renderer)), name
+    title = ax.title.get_window_extent(renderer)
+    assert whole.x0 <= title.x0 and title.x1 <= whole.x1 and title.y1 <= whole.y1
+    plt.close(fig)
+
+
+@pytest.mark.parametrize("points", [DEFAULT_RUN, LAYOUTS["long name at the corner"]],
+                         ids=["default run", "long name at the corner"])
+def test_frontier_labels_keep_off_the_frontier_line(
+        points: dict[str, tuple[float, int, bool]]) -> None:
+    """Where a spot as near is free, no label sits on the red line (group:2's first choice
+    does in the default run)."""
+    plt = pytest.importorskip("matplotlib.pyplot")
+    from matplotlib.text import Text
+
+    fig = frontier_figure(_profile_json(points, adapter="function"))
+    fig.canvas.draw()
+    renderer = fig.canvas.get_renderer()
+    ax = fig.axes[0]
+    line = ax.transData.transform(ax.lines[0].get_xydata())
+    along = [a + (b - a) * k / 200 for a, b in zip(line, line[1:]) for k in range(201)]
+    for text in ax.texts:
+        box = Text.get_window_extent(text, renderer)
+        assert not any(box.x0 < x < box.x1 and box.y0 < y < box.y1 for x, y in along), \
+            text.get_text()
+    plt.close(fig)
+
+
+def _overlap(a: Any, b: Any) -> bool:
+    return bool(a.x0 < b.x1 and b.x0 < a.x1 and a.y0 < b.y1 and b.y0 < a.y1)
+
+
+def test_the_frontier_title_names_the_implementation_and_the_conditions() -> None:
+    data = _profile_json(DEFAULT_RUN, adapter="module", kwargs={"use_reentrant": "False"})
+    title = frontier_title(data)
+    assert title.splitlines()[0] == "torch (module, use_reentrant=False): activation memory " \
+                                    "against step time"
+    assert "4L x 128w x 64t x batch 4, fp32" in title and "cpu, 2 threads" in title
+    assert frontier_title(_profile_json(DEFAULT_RUN)).startswith("torch: ")  # older files
+    plt = pytest.importorskip("matplotlib.pyplot")
+    fig = frontier_figure(data)
+    assert fig.axes[0].get_title() == title
+    plt.close(fig)

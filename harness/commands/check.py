@@ -77,7 +77,9 @@ def _run_suite(options: CheckOptions, impl: Any, device: Any, observer: Any) -> 
     shard = "" if options.shard == (1, 1) else f", shard {options.shard[0]}/{options.shard[1]}"
     print(f"gradequiv check: {impl.spec} ({impl.adapter}) on {device}, torch "
           f"{torch.__version__}, {torch.get_num_threads()} threads{shard}", flush=True)
-    code = run_suite(SuiteRun(options, impl, observer), ["-q"])
+    # Failures are printed once, by the plugin's summary, not again by pytest's tracebacks
+    # and short summary (which would name the suite's temporary folder).
+    code = run_suite(SuiteRun(options, impl, observer), ["-q", "--tb=no", "-rN"])
     if code == 2:
         print("gradequiv: interrupted; the report keeps what finished, marked incomplete",
               file=sys.stderr)

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import statistics
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -55,11 +56,13 @@ class ProfileResult:
     case: dict[str, Any]
     conditions: dict[str, Any]
     rows: list[GranularityProfile] = field(default_factory=list)
+    adapter: str = "function"
+    kwargs: dict[str, str] = field(default_factory=dict)  # the implementation's, as repr()
 
     def to_dict(self) -> dict[str, Any]:
         return {"schema_version": 1, "command": "profile", "implementation": self.impl,
-                "case": self.case, "conditions": self.conditions,
-                "rows": [asdict(r) for r in self.rows]}
+                "adapter": self.adapter, "kwargs": self.kwargs, "case": self.case,
+                "conditions": self.conditions, "rows": [asdict(r) for r in self.rows]}
 
 
 def percentiles(values: list[float]) -> dict[str, float]:
@@ -131,6 +134,43 @@ class _RecomputeClock:
         return seconds
 
 
+PROGRESS_EVERY_S = 15.0  # the most often a long phase says how far it has got
+
+
+class _Progress:
+    """Plain lines for a CI log, where a terminal's carriage returns would pile up: one as
+    each phase starts and ends, and in between at most one every ``every_s`` seconds, so a
+    short run stays quiet and a long one still shows it is alive."""
+
+    def __init__(self, write: Callable[[str], None] | None, every_s: float = PROGRESS_EVERY_S,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.write, self.every_s, self.clock = write, every_s, clock
+        self.phase, self.started, self.last = "", 0.0, 0.0
+
+    def _say(self, text: str) -> None:
+        if self.write is not None:
+            self.write(f"profile: {self.phase}: {text}")
+
+    def start(self, phase: str, what: str) -> None:
+        self.phase = phase
+        self.started = self.last = self.clock()
+        self._say(f"{what} ...")
+
+    def tick(self, what: str, fraction: float | None = None) -> None:
+        """``what`` is done so far; ``fraction`` of the phase, for an estimate of the rest."""
+        now = self.clock()
+        if now - self.last < self.every_s:
+            return
+        self.last = now
+        elapsed = now - self.started
+        left = (f", about {elapsed / fraction * (1 - fraction):.0f} s left"
+                if fraction is not None and 0 < fraction < 1 else "")
+        self._say(f"{what}, {elapsed:.0f} s so far{left}")
+
+    def end(self) -> None:
+        self._say(f"done in {self.clock() - self.started:.1f} s")
+
+
 class _Runner:
     """One granularity's model, ready to step."""
 
@@ -195,22 +235,41 @@ def profile(
     steps: int = 20,
     warmup: int = 3,
     device: torch.device | str = "cpu",
-    progress: Any = None,
+    progress: Callable[[str], None] | None = None,
 ) -> ProfileResult:
-    """Memory and step time of ``case``'s model under each granularity, through ``impl``."""
+    """Memory and step time of ``case``'s model under each granularity, through ``impl``.
+
+    ``progress`` receives a line as each phase starts and ends and, within a long phase, at
+    most one per ``PROGRESS_EVERY_S`` seconds; it runs between steps, never inside a timed
+    interval.
+    """
     if steps < 1 or warmup < 0:
         raise InvalidArgument(f"steps={steps}, warmup={warmup}: need steps >= 1, warmup >= 0")
     device = torch.device(device)
-    runners = [_Runner(case, g, impl, device) for g in granularities]
-    memory = [r.memory() for r in runners]
-    for _ in range(warmup):
-        for runner in runners:
-            runner.step(record=False)
-    for round_ in range(steps):
-        for runner in runners:
-            runner.step(record=True)
-        if progress is not None:
-            progress(round_ + 1, steps)
+    say, n = _Progress(progress, every_s=PROGRESS_EVERY_S), len(granularities)
+    say.start("setup", f"building {n} models ({', '.join(map(str, granularities))}) and "
+                       f"counting the memory of one step of each")
+    runners = []
+    for g in granularities:
+        runners.append(_Runner(case, g, impl, device))
+        say.tick(f"{len(runners)} of {n} models built")
+    memory = []
+    for runner, g in zip(runners, granularities):
+        memory.append(runner.memory())
+        say.tick(f"memory of {len(memory)} of {n} counted ({g} last)")
+    say.end()
+    for phase, rounds, record in (("warm-up", warmup, False), ("timing", steps, True)):
+        if not rounds:
+            continue
+        say.start(phase, f"{rounds} round{'s' * (rounds != 1)} of {n} steps, one per "
+                         f"granularity, interleaved{'' if record else ', not timed'}")
+        for round_ in range(rounds):
+            for k, runner in enumerate(runners):
+                runner.step(record=record)
+                done = round_ * n + k + 1
+                say.tick(f"round {round_ + 1} of {rounds}, {done} of {rounds * n} steps",
+                         done / (rounds * n))
+        say.end()
     tokens = case.batch.batch_size * case.batch.seq_len
     shape = case.describe().replace(f", {case.granularity}, ", ", ")
     shape = shape.replace("t, ", f"t x batch {case.batch.batch_size}, ", 1)
@@ -237,7 +296,8 @@ def profile(
                   "threads": torch.get_num_threads(), "dtype": case.dtype,
                   "steps": steps, "warmup": warmup, "tokens_per_step": tokens,
                   "shape": shape}
-    return ProfileResult(impl.spec, case.to_dict(), conditions, rows)
+    return ProfileResult(impl.spec, case.to_dict(), conditions, rows, impl.adapter,
+                         {k: repr(v) for k, v in impl.kwargs.items()})
 
 
 def plot(result: ProfileResult, path: Path) -> str | None:
@@ -281,7 +341,7 @@ def run(args: Any) -> int:
     print(f"gradequiv profile: {impl.spec} on {device}, {case.describe()}, "
           f"{len(granularities)} granularities x {args.steps} steps", flush=True)
     result = profile(impl, case, granularities, steps=args.steps, warmup=args.warmup,
-                     device=device)
+                     device=device, progress=lambda line: print(line, flush=True))
     print(profile_markdown(result.to_dict()), end="")
     if args.report_dir is not None:
         missing = plot(result, args.report_dir / "profile.png")

@@ -45,6 +45,9 @@ def run(args: Any) -> int:
         print(f"gradequiv report: {partial}", file=sys.stderr)
         return 1
     if args.fail_on_verdict and bundle.verdict != "pass":
+        if bundle.verdict == "unchecked":  # a gate pointed at the wrong folder must not pass
+            print(f"gradequiv report: {args.folder} holds no report.json nor mutants.json: "
+                  f"nothing was checked, so --fail-on-verdict exits 1", file=sys.stderr)
         return 1
     return 0
 

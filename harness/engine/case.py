@@ -185,5 +185,17 @@ class Case:
         dtype = torch.bfloat16 if self.dtype.startswith("bf16") else torch.float16
         return torch.autocast(device.type, dtype=dtype)
 
+    def cost(self) -> float:
+        """A rough measure of the work the case is, for keeping shrinking on cheap cases:
+        layer runs (a tiny model's time is per-op overhead) scaled by the elements they see,
+        per micro-batch and backward pass, per step. 0 for a user's model (unknown)."""
+        model = self.model
+        layers = getattr(model, "n_layer", 0) * getattr(model, "layer_repeats", 1)
+        width = getattr(model, "n_embd", getattr(model, "width", 0))
+        elements = width * self.batch.batch_size * self.batch.seq_len
+        passes = (2 if self.grad_mode == "accumulate" else 1) * (
+            2 if self.grad_mode == "create-graph" else 1)
+        return layers * (1 + elements / 4096) * passes * self.steps * (1 + self.inference)
+
     def with_seed_offset(self, offset: int) -> Case:
         return replace(self, seed=self.seed + offset)

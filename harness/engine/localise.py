@@ -28,6 +28,7 @@ from torch.utils._pytree import tree_leaves
 from gradequiv.harness.engine.case import Case
 from gradequiv.harness.engine.path import build_path
 from gradequiv.harness.implementations.adapters import Implementation
+from gradequiv.models.segments import user_view
 
 __all__ = ["Divergence", "Localisation", "localise"]
 
@@ -91,6 +92,7 @@ class Divergence:
 class Localisation:
     divergence: Divergence | None
     reason: str = ""  # why there is no divergence to show
+    matched: bool = False  # every recomputed op was compared and matched its original
 
     def describe(self) -> str:
         if self.divergence is not None:
@@ -109,7 +111,7 @@ class _Recorder(TorchDispatchMode):  # type: ignore[no-untyped-call]  # untyped 
                            kwargs: Any = None) -> Any:
         out = func(*args, **(kwargs or {}))
         ops = self.owner.current_ops()
-        if ops is not None and not _skipped(func):
+        if ops is not None and not _skipped(func) and not self.owner.writes_buffer(func, args):
             first = next((t for t in tree_leaves(out) if isinstance(t, Tensor)), None)
             value = first.detach().clone() if first is not None else None
             ops.append(_Op(str(func.overloadpacket.__name__), self.owner.module_path(), value))
@@ -124,9 +126,17 @@ class _Tracker:
         self.backward = False
         self.modules: list[str] = []
         self.segment: list[str] = []
-        self.ops: dict[tuple[str, str], list[_Op]] = {}
+        #: (segment, phase) -> one list of ops per run of the segment (a layer applied twice
+        #: in a forward runs twice; backward recomputes the later application first)
+        self.ops: dict[tuple[str, str], list[list[_Op]]] = {}
         self.handles: list[Any] = []
-        named = dict(model.named_modules())
+        named = dict(user_view(model).named_modules())  # the names the user's model has
+        # Modules that keep statistics and have no weights (a running mean, a counter) do
+        # bookkeeping a correct recompute skips: their ops are no computation to compare.
+        self.buffers = {b.data_ptr() for b in model.buffers()}
+        self.bookkeeping = {name for name, m in named.items()
+                            if next(m.buffers(recurse=False), None) is not None
+                            and next(m.parameters(), None) is None}
         registered = {id(m) for m in named.values()}
         # Segments outside the module tree (layer groups) are watched too.
         named.update({name: m for m, name in extra.items() if id(m) not in registered})
@@ -140,6 +150,8 @@ class _Tracker:
             self.modules.append(name)
             if id(module) in segments:
                 self.segment.append(segments[id(module)])
+                phase = "recompute" if self.backward else "forward"
+                self.ops.setdefault((segments[id(module)], phase), []).append([])
         return hook
 
     def _leave(self, key: int, segments: dict[int, str]) -> Any:
@@ -151,10 +163,18 @@ class _Tracker:
         return hook
 
     def current_ops(self) -> list[_Op] | None:
-        if not self.segment:
+        if not self.segment or (self.modules and self.modules[-1] in self.bookkeeping):
             return None
         key = (self.segment[-1], "recompute" if self.backward else "forward")
-        return self.ops.setdefault(key, [])
+        runs = self.ops.setdefault(key, [[]])
+        return runs[-1]
+
+    def writes_buffer(self, func: Any, args: Any) -> bool:
+        """An in-place update of a module buffer (BatchNorm's counter): state, which the
+        buffers property compares, not a computation of the segment."""
+        target = args[0] if args else None
+        return (func.overloadpacket.__name__.endswith("_") and isinstance(target, Tensor)
+                and target.data_ptr() in self.buffers)
 
     def module_path(self) -> str:
         return self.modules[-1] if self.modules else ""
@@ -200,12 +220,27 @@ def localise(impl: Implementation, case: Case, device: str | torch.device = "cpu
                                   "recomputed, or it ran where Python dispatch cannot see it, "
                                   "as in a compiled graph)")
     for name in recomputed:  # model order: the earliest layer that goes wrong
-        divergence = _first_difference(name, tracker.ops.get((name, "forward"), []),
-                                       tracker.ops[(name, "recompute")])
+        divergence = _compare_runs(name, tracker.ops.get((name, "forward"), []),
+                                   tracker.ops[(name, "recompute")])
         if divergence is not None:
             return Localisation(divergence)
-    return Localisation(None, "every recomputed op matched its original in value, dtype and "
-                              "shape (the fault lies outside the re-run segments' ops)")
+    return Localisation(None, "every recomputed op of step 1 matched its original in value, "
+                              "dtype and shape (the fault lies outside the re-run segments' "
+                              "ops of step 1)", matched=True)
+
+
+def _compare_runs(segment: str, forward: list[list[_Op]],
+                  again: list[list[_Op]]) -> Divergence | None:
+    """Each recomputed run against the forward run it repeats: one that matches it op for
+    op wherever there is one (a recompute may run a segment's applications in any order),
+    else the forward run in the reverse order (backward meets the last application first);
+    the first run without a match gives the divergence."""
+    for index, run in enumerate(again):
+        differences = [_first_difference(segment, f, run) for f in forward]
+        if not differences or any(d is None for d in differences):
+            continue
+        return differences[len(forward) - 1 - index if index < len(forward) else 0]
+    return None
 
 
 def _first_difference(segment: str, forward: list[_Op], again: list[_Op]) -> Divergence | None:

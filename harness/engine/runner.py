@@ -44,7 +44,7 @@ from gradequiv.harness.engine.path import PreparedPath, build_path
 from gradequiv.harness.implementations.adapters import Implementation
 from gradequiv.harness.implementations.compiled import CompileSettings, compile_model
 from gradequiv.models import Segment
-from gradequiv.models.segments import RoutedModel
+from gradequiv.models.segments import RoutedModel, user_view
 
 LEARNING_RATE = 1e-2
 MOMENTUM = 0.9
@@ -148,7 +148,7 @@ def run_path(
                 if impl is not None and counted else None
             grads_in = _SegmentInputGrads(model, [] if compiled else segments)
             call = model if compiled is None else compile_model(model, compiled)
-            params = list(model.named_parameters())
+            params = list(user_view(model).named_parameters())
             optimizer = torch.optim.SGD([p for _, p in params], lr=LEARNING_RATE,
                                         momentum=MOMENTUM)
             model.train()
@@ -353,7 +353,7 @@ def _forward(path: PreparedPath, call: nn.Module, measure: bool,
 
 def _counted_modules(model: nn.Module, segments: list[Segment]) -> dict[str, nn.Module]:
     """The modules whose runs prove each segment ran, by their names in the model."""
-    names = {id(m): n for n, m in model.named_modules()}
+    names = {id(m): n for n, m in user_view(model).named_modules()}
     return {names.get(id(module), segment.name): module
             for segment in segments for module in segment.counted}
 
@@ -454,7 +454,7 @@ def _record(
         loss=losses[0] if len(losses) == 1 else torch.stack(losses).sum(),
         outputs=outputs[0] if len(outputs) == 1 else _join(outputs),
         grads=grads,
-        buffers={n: b.detach().clone() for n, b in model.named_buffers()},
+        buffers={n: b.detach().clone() for n, b in user_view(model).named_buffers()},
         rng=rng,
         calls={n: list(c) for n, c in calls.items()},
         touched=touched,

@@ -74,6 +74,11 @@ class TensorCheck:
     max_ulps: int | None = 0  # greatest distance in units in the last place (None: not floats)
 
     def describe(self) -> str:
+        if self.property == "rng" and self.name.startswith("RNG state after "):
+            # A generator's state is equal or not: its bytes are no float to measure.
+            step, _, generator = self.name.removeprefix("RNG state after ").partition(": ")
+            return (f"RNG state after {step}: the {generator} generator's state differs from "
+                    f"full storage's")
         share = 100.0 * self.mismatched / max(self.numel, 1)
         return (
             f"{self.name}: relative error {self.rel_error:.3g} > bound {self.bound:.3g} "
@@ -89,13 +94,34 @@ class PropertyResult:
     summary: str = ""
     failures: list[str] = field(default_factory=list)  # structure and count failures
     checks: list[TensorCheck] = field(default_factory=list)
+    #: the selected segments' names: a tensor of theirs headlines a failure
+    segments: tuple[str, ...] = ()
 
     @property
     def first_failure(self) -> str:
         if self.failures:
             return self.failures[0]
-        bad = [c for c in self.checks if not c.passed]
-        return bad[0].describe() if bad else ""
+        worst = self.worst_first()
+        return worst[0].describe() if worst and not worst[0].passed else ""
+
+    def worst_first(self) -> list[TensorCheck]:
+        """Failing checks first; among them a tensor inside a re-run segment (where a
+        recompute fault sits) before one outside (the embeddings, the head); then by how far
+        past their bound."""
+        return sorted(self.checks, key=lambda c: (not c.passed, self.inside(c.name),
+                                                  severity(c)), reverse=True)
+
+    def inside(self, name: str) -> bool:
+        """Whether a check's tensor belongs to one of the segments."""
+        tensor = name.split()[-1]
+        return any(tensor.startswith((s + ".", s + ":")) for s in self.segments)
+
+
+def severity(check: TensorCheck) -> float:
+    """How far past (or near) its bound a check is."""
+    if check.bound:
+        return check.rel_error / check.bound if math.isfinite(check.rel_error) else math.inf
+    return math.inf if check.rel_error else 0.0
 
 
 @dataclass
@@ -228,7 +254,8 @@ def _check_all(
     case: Case, full: PathRun, floor: PathRun, rc: PathRun, tolerance: Tolerance,
     compiled: CompileSpec | None = None,
 ) -> list[PropertyResult]:
-    results = {name: PropertyResult(name, True) for name in PROPERTIES}
+    segments = tuple(full.steps[0].calls)  # the counted modules of the selected segments
+    results = {name: PropertyResult(name, True, segments=segments) for name in PROPERTIES}
     items: list[_Item] = []
     first = (rc.steps[0], full.steps[0], floor.steps[0])
     items += [_item("outputs", "loss", [s.loss for s in first]),

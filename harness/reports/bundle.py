@@ -62,13 +62,25 @@ class ReportBundle:
 
     @property
     def verdict(self) -> str:
-        """fail if any part fails; incomplete if a part stopped early without failing."""
+        """fail if any part fails; incomplete if a part stopped early without failing;
+        unchecked when no part checks anything (a profile alone): never a pass for a check
+        that did not run."""
         parts = [p for p in (self.report, self.mutants) if p is not None]
+        if not parts:
+            return "unchecked"
         if any(p.get("verdict") != "pass" for p in parts):
             return "fail"
         if any(not p.get("complete", True) for p in parts):
             return "incomplete"
         return "pass"
+
+    @property
+    def heading(self) -> str:
+        """The verdict as a page's heading says it: what the folder holds when it is no
+        verdict at all."""
+        if self.verdict == "unchecked":
+            return "profile only (nothing checked)"
+        return self.verdict.upper()
 
 
 def load_bundle(folder: Path | str) -> ReportBundle:

@@ -29,11 +29,14 @@ RENDERED = {"md": "report.md", "html": "report.html", "junit": "junit.xml"}
 #: The lock of the run writing into a folder (``lock_report_dir``); never a file a run owns,
 #: so ``claim_report_dir`` leaves it.
 LOCK_FILE = ".gradequiv.lock"
+#: the folder (inside a report folder) of minimal failures' cases, for ``--case FILE``
+CASES_DIR = "cases"
 
 
 def claim_report_dir(folder: Path) -> None:
     """Make ``folder`` this run's: create it, prove it writable, and remove what an earlier
-    run left there (report.json, its rendered views, temporary files of interrupted writes),
+    run left there (report.json, its rendered views, its case files, temporary files of
+    interrupted writes),
     so a stale report is never read as this run's. Other commands' files stay, and so does
     the lock (``LOCK_FILE``) of the run that called this."""
     owned = [REPORT_FILE, *RENDERED.values()]
@@ -46,6 +49,8 @@ def claim_report_dir(folder: Path) -> None:
         for name in owned:
             for stale in folder.glob(f".{name}.*"):
                 stale.unlink(missing_ok=True)
+        for stale in folder.glob(f"{CASES_DIR}/minimal-*.json"):
+            stale.unlink()
     except OSError as exc:
         raise InvalidArgument(f"--report-dir={str(folder)!r} cannot be written "
                               f"({type(exc).__name__}: {exc}); pick a folder you can write "

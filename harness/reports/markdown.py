@@ -1,4 +1,4 @@
-"""The Markdown summary: short verdict first, then failures with their reproduce commands.
+"""The Markdown summary: the verdict and diagnosis first, then failures with their commands.
 
 Sized for a CI job summary (GitHub's $GITHUB_STEP_SUMMARY): a reader sees in
 the first lines whether the build should stop and why, and can copy one
@@ -10,7 +10,7 @@ from __future__ import annotations
 from typing import Any
 
 from gradequiv.harness.reports.bundle import ReportBundle
-from gradequiv.harness.reports.findings import find
+from gradequiv.harness.reports.findings import FailureGroup, failure_groups, find, headline_command
 from gradequiv.harness.reports.tables import (
     mutants_summary,
     mutants_table,
@@ -24,7 +24,11 @@ MAX_FAILURES = 10
 
 
 def render_markdown(bundle: ReportBundle) -> str:
-    lines = [f"## gradequiv: {bundle.verdict.upper()}", ""]
+    lines = [f"## gradequiv: {bundle.heading}", ""]
+    if bundle.verdict == "unchecked":
+        lines += ["This folder holds a profile only: memory and step time were measured, no "
+                  "gradient was checked. Run `gradequiv check --report-dir` on it for a "
+                  "verdict.", ""]
     sections = {"check": _check, "mutants": _mutants, "profile": _profile}
     for name, data in bundle.parts():
         lines += sections[name](data)
@@ -39,9 +43,12 @@ def _check(report: dict[str, Any]) -> list[str]:
     passed = sum(v == "passed" for v in tests.values())
     head = (f"**{report['verdict'].upper()}**: `{impl['spec']}` ({impl['adapter']}{kwargs}), "
             f"{summary['run']} cases, {summary['failed']} failing")
+    if summary.get("shrink_attempts"):
+        head += f" ({summary['shrink_attempts']} more tried while shrinking: counted, not kept)"
     if tests:
         head += f"; {passed} of {len(tests)} property tests passed"
-    lines = [head + ("." if report["complete"] else
+    lines = [*_diagnosis(report),
+             head + ("." if report["complete"] else
                      ". **Incomplete**: the run stopped early; these are the cases that finished."),
              ""]
     findings = find(report)
@@ -50,25 +57,51 @@ def _check(report: dict[str, Any]) -> list[str]:
     lines += [f"- **How close:** {findings.closeness()}.",
               f"- **How consistent:** {findings.consistency()}.",
               f"- **Random sites exercised:** {sites or 'none'}.", *_floor(report), ""]
-    failures = report.get("minimal_failures") or _case_failures(report)
-    if failures:
+    groups = failure_groups(report)
+    if groups:
         lines += ["### Failures", ""]
-        for failure in failures[:MAX_FAILURES]:
-            flaky = " (flaky: passed on replay)" if failure.get("flaky") else ""
-            where = f"`{failure['property']}`" if failure.get("property") else "case"
-            lines += [f"**{where}**{flaky}: {failure['description']}", "",
-                      f"> {failure['message']}", ""]
-            if failure.get("localisation"):
-                lines += [f"> {failure['localisation']}", ""]
-            lines += ["```sh", failure["reproduce"], "```", ""]
-        if len(failures) > MAX_FAILURES:
-            lines += [f"... and {len(failures) - MAX_FAILURES} more in report.json.", ""]
+        said = ((report.get("failure") or {}).get("diagnosis") or {}).get("evidence") or []
+        for group in groups[:MAX_FAILURES]:
+            lines += _failure(group, said)
+        if len(groups) > MAX_FAILURES:
+            lines += [f"... and {len(groups) - MAX_FAILURES} more in report.json.", ""]
     if tests:
         lines += ["| property test | outcome |", "|---|---|"]
         lines += [f"| {name} | {outcome} |" for name, outcome in tests.items()]
         lines.append("")
     lines += [_conditions(report["conditions"]), ""]
     return lines
+
+
+def _diagnosis(report: dict[str, Any]) -> list[str]:
+    """The headline failure's diagnosis, its evidence and its short command: nothing where
+    the report has no diagnosis."""
+    diagnosis = (report.get("failure") or {}).get("diagnosis") or {}
+    if not diagnosis.get("sentence"):
+        return []
+    lines = [f"### {diagnosis['sentence']}", ""]
+    evidence = [f"- {e}" for e in diagnosis.get("evidence") or []]
+    lines += [*evidence, ""] if evidence else []
+    command = headline_command(report)
+    return lines + (["```sh", command, "```", ""] if command else [])
+
+
+def _failure(group: FailureGroup, said: list[str]) -> list[str]:
+    """One case's minimal failures, with every property and test it fails; evidence the
+    headline's diagnosis (``said``) already lists is not listed twice."""
+    names = [f"`{f['property']}`{' (flaky: passed on replay)' if f.get('flaky') else ''}"
+             for f in group.failures if f.get("property")]
+    tests = f" ({', '.join(group.tests)})" if group.tests else ""
+    lines = [f"**{', '.join(dict.fromkeys(names)) or 'case'}**{tests}: {group.description}", ""]
+    for sentence in group.sentences:
+        lines += [f"**{sentence}**", ""]
+    if group.evidence and group.evidence == list(said):
+        lines += ["Evidence: as in the diagnosis above.", ""]
+    elif group.evidence:
+        lines += [*(f"- {e}" for e in group.evidence), ""]
+    for text in [*group.messages, *group.localisations]:
+        lines += [f"> {text}", ""]
+    return lines + ["```sh", group.command, "```", ""]
 
 
 def _floor(report: dict[str, Any]) -> list[str]:
@@ -78,14 +111,6 @@ def _floor(report: dict[str, Any]) -> list[str]:
     switch = "on" if report["conditions"].get("deterministic_algorithms") else "off"
     return [f"- **Noise floor:** the two full-storage runs differ by at most {floor:.3g} "
             f"(relative; deterministic algorithms {switch})."]
-
-
-def _case_failures(report: dict[str, Any]) -> list[dict[str, Any]]:
-    """Failures of a report without a property suite (a replayed case): one per case."""
-    return [{"property": None, "description": r["description"],
-             "message": r["first_failure"] or r["error"] or "failed",
-             "reproduce": r["reproduce"]}
-            for r in report["cases"] if r["verdict"] == "fail"]
 
 
 def _conditions(conditions: dict[str, Any]) -> str:

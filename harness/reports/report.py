@@ -15,6 +15,7 @@ from importlib.metadata import PackageNotFoundError, version
 from typing import TYPE_CHECKING, Any
 
 from gradequiv.harness.options import CheckOptions
+from gradequiv.harness.reports.diagnosis import diagnose
 
 if TYPE_CHECKING:  # torch is imported on use: a supervisor writes reports without it
     import torch
@@ -24,6 +25,8 @@ if TYPE_CHECKING:  # torch is imported on use: a supervisor writes reports witho
     from gradequiv.harness.implementations.adapters import Implementation
 
 SCHEMA_VERSION = 1
+#: marks a case record made while a failure was shrunk (``properties.runtime.SHRINK_KEY``)
+SHRINK_KEY = "shrink_attempt"
 
 
 def gradequiv_version() -> str:
@@ -60,16 +63,61 @@ def reproduce_command(impl: Implementation, case: Case, device: torch.device) ->
     return " ".join(shlex.quote(a) for a in args)
 
 
-def verdict_record(impl: Implementation, verdict: Verdict, device: torch.device) -> dict[str, Any]:
+#: Tensor checks a case record keeps per property: its worst failing ones, then the worst
+#: of those that passed without being bitwise equal. The rest are counted (``compared``,
+#: ``bitwise_equal``): a record of every tensor made a failing run's report 9 MB.
+KEPT_FAILING, KEPT_PASSING = 6, 2
+
+
+#: pytest options a replay of one case must not repeat: the case it replaced, the report
+#: folder it would overwrite, and selections or workers that have nothing left to do
+_REPLAY_DROPS = {"--gradequiv-case": 1, "--gradequiv-report-dir": 1, "--gradequiv-seed": 1,
+                 "--gradequiv-examples": 1, "--gradequiv-shard": 1, "-k": 1, "-n": 1,
+                 "--numprocesses": 1, "-x": 0, "--exitfirst": 0, "--lf": 0, "--ff": 0}
+
+
+def pytest_reproduce_command(args: list[str], case: Case) -> str:
+    """The pytest command that ran a suite, made to replay one case (for an implementation
+    a conftest's ``recompute_impl`` fixture provides: only that run knows it)."""
+    kept: list[str] = []
+    skip = 0
+    for arg in args:
+        if skip:
+            skip -= 1
+            continue
+        name = arg.split("=", 1)[0]
+        if name in _REPLAY_DROPS:
+            skip = 0 if "=" in arg else _REPLAY_DROPS[name]
+            continue
+        kept.append(arg)
+    line = ["python", "-m", "pytest", *kept, "--gradequiv-case", case.to_json()]
+    return " ".join(shlex.quote(a) for a in line)
+
+
+def with_case_file(command: str, path: str) -> str:
+    """A reproduce command (its case last) with the case read from ``path`` instead: a line
+    short enough to copy."""
+    head, _, _ = command.rpartition(" ")
+    return f"{head} {shlex.quote(path)}"
+
+
+def verdict_record(impl: Implementation, verdict: Verdict, device: torch.device, *,
+                   reproduce: str | None = None) -> dict[str, Any]:
     properties = []
     for prop in verdict.properties:
         status = {True: "pass", False: "fail", None: "n/a"}[prop.passed]
+        worst = prop.worst_first()
+        kept = ([c for c in worst if not c.passed][:KEPT_FAILING]
+                + [c for c in worst if c.passed and c.mismatched][:KEPT_PASSING])
         properties.append({
             "name": prop.name,
             "status": status,
             "summary": prop.summary,
             "failures": prop.failures,
-            "checks": [_finite(asdict(c)) for c in prop.checks],
+            "compared": len(prop.checks),
+            "bitwise_equal": sum(c.mismatched == 0 for c in prop.checks),
+            "max_floor": _finite_number(max((c.floor for c in prop.checks), default=0.0)),
+            "checks": [_finite(asdict(c)) for c in kept],
         })
     record: dict[str, Any] = {
         "name": verdict.case.name,
@@ -77,7 +125,7 @@ def verdict_record(impl: Implementation, verdict: Verdict, device: torch.device)
         "case": verdict.case.to_dict(),
         "verdict": "pass" if verdict.passed else "fail",
         "first_failure": verdict.first_failure or None,
-        "reproduce": reproduce_command(impl, verdict.case, device),
+        "reproduce": reproduce or reproduce_command(impl, verdict.case, device),
         "error": verdict.error,
         "error_at": verdict.error_at or None,
         "warnings": verdict.warnings,
@@ -86,7 +134,15 @@ def verdict_record(impl: Implementation, verdict: Verdict, device: torch.device)
         "held_on": verdict.held_on,
         "properties": properties,
     }
+    if not verdict.passed:  # every gradient's error, for a heatmap of where the fault sits
+        record["gradient_errors"] = {
+            c.name: _finite_number(c.rel_error) for p in verdict.properties
+            if p.name == "gradients" for c in p.checks}
     return record
+
+
+def _finite_number(value: float) -> float | str:
+    return value if math.isfinite(value) else str(value)
 
 
 def _finite(row: dict[str, Any]) -> dict[str, Any]:
@@ -112,6 +168,7 @@ def assemble_check_report(
     test's outcome, ``failures`` the minimal failure of each failing test (the
     pytest plugin gathers all three and decides nothing).
     """
+    records, attempts = distinct_cases(records, failures)
     failed = [r for r in records if r["verdict"] == "fail"]
     # A pass needs every property test to have ended and passed: a run that stopped early
     # (interrupted, killed, or still going when this is written) has proved nothing whole.
@@ -136,13 +193,23 @@ def assemble_check_report(
         "implementation": implementation,
         "conditions": conditions,
         "summary": {"run": len(records), "passed": len(records) - len(failed),
-                    "failed": len(failed)},
+                    "failed": len(failed), "shrink_attempts": attempts},
         "cases": records,
         "failure": _headline_failure(failures, failed, by_reproduce),
         "tests": dict(sorted(outcomes.items())),
         "minimal_failures": failures,
         "statistics": _statistics(records),
     }
+
+
+def distinct_cases(records: list[dict[str, Any]],
+                   failures: list[dict[str, Any]]) -> tuple[list[dict[str, Any]], int]:
+    """The cases a report keeps, and how many it only counts: the cases Hypothesis tried
+    while shrinking a failure (marked ``shrink_attempt``) go, except the minimal ones."""
+    minimal = {f["reproduce"] for f in failures}
+    kept = [{k: v for k, v in r.items() if k != SHRINK_KEY} for r in records
+            if not r.get(SHRINK_KEY) or r["reproduce"] in minimal]
+    return kept, len(records) - len(kept)
 
 
 def _headline_failure(failures: list[dict[str, Any]], failed: list[dict[str, Any]],
@@ -152,16 +219,22 @@ def _headline_failure(failures: list[dict[str, Any]], failed: list[dict[str, Any
     if failures:
         first = failures[0]
         record = records.get(first["reproduce"])
-        return {"case": first["description"], "property": first["property"],
-                "message": first["message"], "flaky": first["flaky"],
-                "minimal_case": first["case"], "reproduce": first["reproduce"],
-                "first_mismatch": first_mismatch(record) if record else None}
+        headline = {"case": first["description"], "property": first["property"],
+                    "message": first["message"], "flaky": first["flaky"],
+                    "minimal_case": first["case"], "reproduce": first["reproduce"],
+                    "first_mismatch": first_mismatch(record) if record else None}
+        for key in ("diagnosis", "reproduce_file"):
+            if key in first:
+                headline[key] = first[key]
+        return headline
     if failed:
         first = failed[0]
-        return {"case": first["description"], "property": _failing_property(first),
-                "message": first["first_failure"], "flaky": False,
-                "minimal_case": first["case"], "reproduce": first["reproduce"],
-                "first_mismatch": first_mismatch(first)}
+        headline = {"case": first["description"], "property": _failing_property(first),
+                    "message": first["first_failure"], "flaky": False,
+                    "minimal_case": first["case"], "reproduce": first["reproduce"],
+                    "first_mismatch": first_mismatch(first)}
+        headline["diagnosis"] = diagnose(headline, first).to_dict()
+        return headline
     return None
 
 
@@ -179,6 +252,8 @@ def _statistics(records: list[dict[str, Any]]) -> dict[str, Any]:
         for key in (f"dtype {case['dtype']}", f"granularity {case['granularity']}"):
             regimes[key] = regimes.get(key, 0) + 1
         for prop in record["properties"]:
+            if isinstance(prop.get("max_floor"), float):  # over every tensor, not the kept
+                floor = max(floor, prop["max_floor"])
             for check in prop["checks"]:
                 if isinstance(check["rel_error"], float):
                     worst = max(worst, check["rel_error"])
@@ -208,7 +283,8 @@ def process_ended_report(last: dict[str, Any], records: list[dict[str, Any]], *,
     by_reproduce = {r["reproduce"]: r for r in last.get("cases", [])}
     for record in records:
         by_reproduce.setdefault(record["reproduce"], record)
-    cases = list(by_reproduce.values())
+    cases, attempts = distinct_cases(list(by_reproduce.values()),
+                                     last.get("minimal_failures", []))
     failed = sum(r["verdict"] == "fail" for r in cases)
     failure = {"case": during["description"] if during else "start-up, before the first case",
                "property": "process", "message": message, "flaky": False,
@@ -216,7 +292,8 @@ def process_ended_report(last: dict[str, Any], records: list[dict[str, Any]], *,
                "reproduce": during["reproduce"] if during else (last.get("run") or {}).get(
                    "command", "gradequiv check"),
                "first_mismatch": None}
+    failure["diagnosis"] = diagnose(failure, None).to_dict()
     return last | {"verdict": "fail", "complete": False,
                    "summary": {"run": len(cases), "passed": len(cases) - failed,
-                               "failed": failed},
+                               "failed": failed, "shrink_attempts": attempts},
                    "cases": cases, "failure": failure, "statistics": _statistics(cases)}

@@ -1,0 +1,214 @@
+"""The likely cause of a minimal failure, in one sentence, from the evidence the run has.
+
+A reader of "grad of blocks.0.attn.qkv.weight: relative error 0.14 > bound
+9.5e-07" still has to work out what is wrong. The run already holds what
+tells the usual faults apart: which properties fail on the case, the first
+recomputed op that differs from the forward (a random op, another dtype,
+another shape, other values), the structure failures (a gradient that
+exists on one path only), the recompute property's counts and bytes, and the
+step a difference first shows at. :func:`diagnose` reads them in that order
+and names the cause, with the evidence beside it.
+
+Pure Python on report dicts: the supervisor and ``gradequiv report`` use it
+without torch.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+__all__ = ["CAUSES", "Diagnosis", "diagnose"]
+
+#: Every cause a diagnosis can name.
+CAUSES = ("raised", "process", "global-state", "rng-not-restored", "autocast-lost",
+          "inputs-lost", "input-grads-dropped", "grad-touched",
+          "forward-changed", "buffers-updated-twice", "no-recompute", "recompute-count",
+          "no-memory-saved", "leak", "rng-stream-moved", "later-step", "inference",
+          "nondeterministic", "other")
+
+
+@dataclass
+class Diagnosis:
+    cause: str  # one of CAUSES
+    sentence: str
+    evidence: list[str] = field(default_factory=list)
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def diagnose(failure: dict[str, Any], record: dict[str, Any] | None) -> Diagnosis:
+    """The likely cause of ``failure`` (a minimal failure of report.json), read from it and
+    from its case's ``record`` (None when the run ended before the case was recorded)."""
+    failing = _failing(record)
+    evidence = [f"fails: {', '.join(failing) or failure['property']}"]
+    evidence += [f"{name}: {line}" for name, line in _first_lines(record)[:3]]
+    if failure.get("localisation"):
+        evidence.append(failure["localisation"])
+    cause, sentence = _cause(failure, record, failing)
+    if failure.get("flaky") and cause != "nondeterministic":
+        evidence.append("the failure did not come back when the case was run again")
+    return Diagnosis(cause, sentence, evidence)
+
+
+def _cause(failure: dict[str, Any], record: dict[str, Any] | None,
+           failing: list[str]) -> tuple[str, str]:
+    prop = failure["property"]
+    if prop == "process":
+        return "process", f"the implementation ended or stalled the process: {failure['message']}"
+    if record is not None and record.get("error"):
+        last = record["error"].strip().splitlines()[-1]
+        return "raised", (f"the implementation raised during {record.get('error_at') or 'the run'}"
+                          f": {last}")
+    texts = {name: _texts(record, name) for name in failing}
+    leaked = [t for t in texts.get("rng", []) if "changed torch's global state" in t]
+    if leaked:
+        return "global-state", leaked[0].replace("the implementation", "the recompute path", 1)
+    op = failure.get("first_diverging_op")
+    if op:
+        found = _from_divergence(op)
+        if found is not None:
+            return found
+    for text in texts.get("gradients", []):
+        if "absent on the recompute path" in text or "exists only on the full-storage" in text:
+            return "input-grads-dropped", (
+                f"the recompute path has no gradient where full storage has one "
+                f"({text.split(':')[0]}): the checkpoint does not pass gradients back to every "
+                f"input that requires grad (a keyword argument, a part of a tuple, a detached "
+                f"input)")
+        if "changed .grad" in text:
+            return "grad-touched", (
+                "torch.autograd.grad wrote into .grad: the recompute runs backward inside "
+                "backward instead of returning its gradients")
+    inputs = [t for t in texts.get("gradients", []) if t.startswith("grad of input ")]
+    if inputs and failure.get("first_diverging_op") is None:
+        return "input-grads-dropped", (
+            f"the recomputed ops match the forward's, but the gradient reaching "
+            f"{inputs[0].removeprefix('grad of ')} does not: the checkpoint passes wrong or no "
+            f"gradients back to some of its inputs (a keyword argument, a part of a tuple "
+            f"output, a detached input)")
+    recompute = texts.get("recompute", [])
+    said = {key: next((t for t in recompute if key in t), "") for key in (
+        "nothing was recomputed", "nothing was freed", "a leak", "time(s) in")}
+    if said["nothing was recomputed"] and said["nothing was freed"]:
+        return "no-memory-saved", ("no memory was saved: the segments did not run again in "
+                                   "backward and the recompute path held as many activation "
+                                   "bytes as full storage (the checkpoint keeps every "
+                                   "activation, as without one)")
+    if said["nothing was recomputed"]:
+        return "no-recompute", (f"nothing was recomputed: "
+                                f"{said['nothing was recomputed'].split(':')[0]}'s segment did "
+                                f"not run again in backward (its activations were kept, or it "
+                                f"ran where nothing can see it)")
+    if said["nothing was freed"]:
+        return "no-memory-saved", ("no memory was saved: the recompute path held as many "
+                                   "activation bytes between forward and backward as full "
+                                   "storage (the segments' activations are still kept)")
+    if said["a leak"]:
+        return "leak", ("the recompute keeps memory alive past backward: bytes made in the "
+                        "step outlive it, and grow with every step")
+    if said["time(s) in"]:
+        return "recompute-count", f"segments re-run the wrong number of times: {said['time(s) in']}"
+    step1 = {"outputs", "gradients"} & set(failing)
+    if "buffers" in failing and not step1:
+        return "buffers-updated-twice", (
+            f"outputs and gradients match, but module state does not ("
+            f"{_tensor(texts['buffers'])}): the re-run updates buffers (running statistics, "
+            f"counters) a second time")
+    if "rng" in failing and not step1:
+        generator = _generator(texts["rng"])
+        return "rng-stream-moved", (
+            f"outputs and gradients match, but the RNG stream after the step differs from "
+            f"full storage's ({generator}): the recompute draws random numbers and leaves the "
+            f"generator moved, so every later random op draws other numbers")
+    if "trajectory" in failing and not step1 and "buffers" not in failing:
+        return "later-step", (
+            f"step 1 matches full storage, but a later step does not "
+            f"({_tensor(texts['trajectory'])}): the fault only shows once state carried "
+            f"between steps is used (a cache, a counter, a kept graph, a hook that fires "
+            f"once)")
+    if "inference" in failing and not step1:
+        return "inference", (f"a forward without backward (eval or no_grad) through the "
+                             f"implementation differs from full storage's "
+                             f"({_tensor(texts['inference'])}): the implementation changes "
+                             f"forwards it should leave alone, or keeps state from them")
+    if failure.get("flaky"):
+        return "nondeterministic", ("the failure did not come back when the case ran again: "
+                                    "the implementation is nondeterministic")
+    if "outputs" in failing:
+        return "forward-changed", (f"the forward itself differs from full storage's "
+                                   f"({_tensor(texts['outputs'])}), before any recompute: the "
+                                   f"implementation changes what the segment computes")
+    first = failure["message"].splitlines()[0] if failure.get("message") else prop
+    return "other", f"property {prop} fails: {first}"
+
+
+def _from_divergence(op: dict[str, Any]) -> tuple[str, str] | None:
+    """A cause from the first recomputed op that differs from its original."""
+    where = f"{op['op']} in {op.get('module') or op['segment']}"
+    forward, again = op.get("forward", ""), op.get("recompute", "")
+    if op.get("random") and forward == again:
+        return "rng-not-restored", (
+            f"the recompute does not restore the RNG state: {where} draws other random "
+            f"numbers in the re-run than in the forward ({op['differing']:.0%} of the draws "
+            f"differ)")
+    dtype_a, shape_a = _signature(forward)
+    dtype_b, shape_b = _signature(again)
+    if dtype_a and dtype_b and dtype_a != dtype_b:
+        return "autocast-lost", (
+            f"the recompute runs {where} in {dtype_b} where the forward ran it in {dtype_a}: "
+            f"the autocast state (on or off, and its dtype) is not carried into the re-run")
+    if shape_a != shape_b or forward != again:
+        return "inputs-lost", (
+            f"the re-run of {op['segment']} is not the same computation: at {where} the "
+            f"forward ran {forward}, the recompute {again}: the recompute is given other "
+            f"arguments than the forward (a keyword argument dropped or defaulted), or takes "
+            f"another branch")
+    if op.get("random"):
+        return None
+    return "inputs-lost", (
+        f"the re-run of {op['segment']} computes other values from {where} on, a "
+        f"deterministic op: the recompute is given other inputs than the forward (a keyword "
+        f"argument dropped or defaulted, an input modified in place, a stale saved tensor)")
+
+
+def _signature(text: str) -> tuple[str, str]:
+    """'float32[2, 8]' -> ('float32', '[2, 8]'); an op name -> ('', name)."""
+    if "[" in text:
+        dtype, _, shape = text.partition("[")
+        return dtype, "[" + shape
+    return "", text
+
+
+def _failing(record: dict[str, Any] | None) -> list[str]:
+    if record is None:
+        return []
+    return [p["name"] for p in record.get("properties", []) if p.get("status") == "fail"]
+
+
+def _texts(record: dict[str, Any] | None, name: str) -> list[str]:
+    """A failing property's structure failures, then its failing tensors, worst first."""
+    if record is None:
+        return []
+    for prop in record.get("properties", []):
+        if prop["name"] == name:
+            return [*prop.get("failures", []),
+                    *(c["name"] for c in prop.get("checks", []) if not c.get("passed"))]
+    return []
+
+
+def _first_lines(record: dict[str, Any] | None) -> list[tuple[str, str]]:
+    if record is None:
+        return []
+    return [(p["name"], p["summary"]) for p in record.get("properties", [])
+            if p.get("status") == "fail" and p.get("summary")]
+
+
+def _tensor(texts: list[str]) -> str:
+    return texts[0].split(": ")[0] if texts else "a tensor"
+
+
+def _generator(texts: list[str]) -> str:
+    names = [t.rsplit(": ", 1)[-1] for t in texts if t.startswith("RNG state")]
+    return f"the {names[0]} generator" if names else "a generator"

@@ -1,0 +1,68 @@
+"""The end of a check run in the terminal: each minimal failure once, its cause first.
+
+Tests that fail on the same minimal case are one entry (a fault usually
+breaks several properties); named cases, which are not shrunk, get one line
+each, and only say their cause in full where it differs from one already
+given. The reproduce line is the short one (the case read from a file in the
+report folder) where the run has a folder.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+__all__ = ["summary_lines"]
+
+#: named-case failures listed one per line before the rest are counted
+NAMED_LINES = 12
+
+
+def summary_lines(failures: list[dict[str, Any]], errors: dict[str, str]) -> list[str]:
+    """Lines for ``failures`` (minimal failures, each with ``test`` and, where known,
+    ``diagnosis``) and ``errors`` (tests that failed without one: test -> last line)."""
+    lines: list[str] = []
+    drawn = _by_case([f for f in failures if not f["test"].startswith("test_named_case")])
+    named = [f for f in failures if f["test"].startswith("test_named_case")]
+    causes: dict[str, int] = {}
+    for number, group in enumerate(drawn, start=1):
+        first = group[0]
+        tests = ", ".join(f["test"] for f in group)
+        props = ", ".join(dict.fromkeys(f["property"] for f in group))
+        flaky = " [flaky: passed when run again]" if any(f["flaky"] for f in group) else ""
+        lines.append(f"minimal failure {number}: {first['description']}{flaky}")
+        lines.append(f"    fails: {props} ({tests})")
+        diagnosis = first.get("diagnosis")
+        if diagnosis:
+            causes.setdefault(diagnosis["cause"], number)
+            lines.append(f"    cause: {diagnosis['sentence']}")
+        lines.append(f"    {first['message'].splitlines()[0]}")
+        if first.get("localisation"):
+            lines.append(f"    {first['localisation']}")
+        lines.append(f"    reproduce: {first.get('reproduce_file') or first['reproduce']}")
+    if named:
+        lines.append(f"named cases failing: {len(named)}")
+        for failure in named[:NAMED_LINES]:
+            name = failure["test"].removeprefix("test_named_case[").removesuffix("]")
+            diagnosis = failure.get("diagnosis")
+            if diagnosis is None:
+                said = failure["message"].splitlines()[0]
+            elif diagnosis["cause"] in causes:
+                said = (f"same cause as minimal failure {causes[diagnosis['cause']]} "
+                        f"({diagnosis['cause']})")
+            else:
+                said = diagnosis["sentence"]
+            lines.append(f"    {name} ({failure['property']}): {said}")
+        if len(named) > NAMED_LINES:
+            lines.append(f"    ... and {len(named) - NAMED_LINES} more (report.json lists "
+                         f"them all)")
+    for test, last in errors.items():
+        lines.append(f"{test}: failed without a verdict: {last}")
+    return lines
+
+
+def _by_case(failures: list[dict[str, Any]]) -> list[list[dict[str, Any]]]:
+    """Failures grouped by their minimal case, in the order found."""
+    groups: dict[str, list[dict[str, Any]]] = {}
+    for failure in failures:
+        groups.setdefault(failure["reproduce"], []).append(failure)
+    return list(groups.values())

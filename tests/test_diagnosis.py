@@ -1,0 +1,123 @@
+"""The likely cause of a failure, named in words: on faults that have it, and only there."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+
+from gradequiv.harness import find_case, resolve, verify
+from gradequiv.harness.reports.diagnosis import CAUSES, diagnose
+from gradequiv.harness.reports.report import verdict_record
+from gradequiv.properties.assertions import locate
+
+FAULTS = "gradequiv.harness.implementations.faults:"
+
+
+def diagnosed(spec: str, name: str) -> tuple[str, str, dict[str, Any]]:
+    """(cause, sentence, failure) of ``spec`` on the named case, as the suite would report
+    its failure: the verdict's record, the localisation, then the diagnosis."""
+    impl = resolve(spec)
+    case = find_case(name)
+    verdict = verify(impl, case, device="cpu")
+    assert not verdict.passed, f"{spec} passes {name}: no failure to diagnose"
+    record = verdict_record(impl, verdict, torch.device("cpu"))
+    prop = next(p["name"] for p in record["properties"] if p["status"] == "fail")
+    failure = {"property": prop, "message": verdict.first_failure, "flaky": False,
+               "case": case.to_dict(), "description": case.describe(),
+               "reproduce": record["reproduce"]}
+    locate(impl, failure)
+    diagnosis = diagnose(failure, record)
+    assert diagnosis.evidence[0].startswith("fails: ")
+    return diagnosis.cause, diagnosis.sentence, failure
+
+
+@pytest.mark.parametrize(("spec", "case", "cause", "words"), [
+    (FAULTS + "no_rng_restore", "1L-layer-dropout", "rng-not-restored",
+     "does not restore the RNG state"),
+    (FAULTS + "caller_stream_moved", "2L-layer-manual-attn", "rng-stream-moved",
+     "RNG stream after the step differs"),
+    (FAULTS + "autocast_lost", "2L-layer-bf16-dropout", "autocast-lost", "float32"),
+    (FAULTS + "kwargs_dropped", "1L-layer-dropout", "inputs-lost", "keyword argument"),
+    (FAULTS + "input_grads_dropped", "1L-layer-dropout", "input-grads-dropped", "input"),
+    (FAULTS + "buffers_updated_twice", "batchnorm-layer", "buffers-updated-twice",
+     "num_batches_tracked"),
+    (FAULTS + "no_op", "1L-layer-dropout", "no-memory-saved", "no memory was saved"),
+    (FAULTS + "recomputed_kept", "1L-layer-dropout", "leak", "past backward"),
+    ("wrong_impls:wrong_from_second_step", "1L-layer-dropout", "later-step", "step 2"),
+    (FAULTS + "grad_via_backward", "2L-layer-autograd-grad-dropout", "grad-touched", ".grad"),
+])
+def test_each_fault_is_diagnosed_by_its_cause(spec: str, case: str, cause: str,
+                                              words: str) -> None:
+    found, sentence, _ = diagnosed(spec, case)
+    assert found == cause, sentence
+    assert words in sentence
+
+
+def test_a_layer_applied_twice_is_compared_run_by_run() -> None:
+    """Backward recomputes a shared layer's second application first: compared in call
+    order, a correct recompute looked like a deterministic op's values changing."""
+    cause, sentence, failure = diagnosed(FAULTS + "tuple_tail_no_grad",
+                                         "2L-layer-aux-shared-x0kw-dropout")
+    assert failure["first_diverging_op"] is None, failure["localisation"]
+    assert cause == "input-grads-dropped", sentence
+
+
+def test_buffer_updates_are_no_diverging_op() -> None:
+    """BatchNorm's counter, bumped again by a recompute, is the buffers property's finding;
+    as an op it hid that every computation matched."""
+    _, _, failure = diagnosed("torch", "batchnorm-layer")
+    assert failure["first_diverging_op"] is None
+    assert "module state" in failure["localisation"]
+
+
+def _record(**statuses: str) -> dict[str, Any]:
+    return {"error": None, "properties": [
+        {"name": name, "status": status, "summary": f"{name} differs",
+         "failures": [], "checks": [{"name": f"{name} tensor", "passed": status != "fail"}]}
+        for name, status in statuses.items()]}
+
+
+def _failure(prop: str, **extra: Any) -> dict[str, Any]:
+    return {"property": prop, "message": f"{prop} differs", "flaky": False} | extra
+
+
+def test_the_end_of_the_process_and_an_exception_are_named_before_any_property() -> None:
+    assert diagnose(_failure("process", message="killed by SIGKILL"), None).cause == "process"
+    record = _record(gradients="n/a") | {"error": "Traceback ...\nValueError: boom",
+                                         "error_at": "step 1 backward"}
+    raised = diagnose(_failure("gradients"), record)
+    assert raised.cause == "raised" and "ValueError: boom" in raised.sentence
+
+
+def test_a_forward_or_an_inference_fault_is_not_blamed_on_the_recompute() -> None:
+    assert diagnose(_failure("outputs"), _record(outputs="fail")).cause == "forward-changed"
+    assert diagnose(_failure("inference"),
+                    _record(outputs="pass", inference="fail")).cause == "inference"
+
+
+def test_a_failure_that_did_not_come_back_is_called_nondeterministic() -> None:
+    found = diagnose(_failure("gradients", flaky=True), _record(gradients="fail"))
+    assert found.cause == "nondeterministic"
+
+
+def test_what_fits_no_rule_says_so_plainly() -> None:
+    found = diagnose(_failure("gradients"), _record(gradients="fail"))
+    assert found.cause == "other" and "gradients" in found.sentence
+
+
+def test_a_global_switch_left_changed_is_named() -> None:
+    record = _record(rng="fail")
+    record["properties"][0]["failures"] = [
+        "the implementation changed torch's global state and did not restore it: default "
+        "dtype torch.float32 -> torch.float64"]
+    found = diagnose(_failure("rng"), record)
+    assert found.cause == "global-state" and "float64" in found.sentence
+
+
+def test_every_cause_is_in_the_schema() -> None:
+    from gradequiv.harness.reports.bundle import report_schema
+
+    schema = report_schema()["$defs"]["diagnosis"]["properties"]["cause"]["enum"]
+    assert tuple(schema) == CAUSES

@@ -1,0 +1,125 @@
+"""A failing run: each fault shrunk once, its cause said once, a small report, a short replay."""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import json
+import shlex
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from gradequiv.harness import find_case
+from gradequiv.harness.cli import main
+from gradequiv.harness.reports.terminal import summary_lines
+from gradequiv.properties.runtime import SHRINK_KEY
+
+NO_RNG = ["--impl", "torch", "--impl-kwarg", "preserve_rng_state=false"]
+
+
+@pytest.fixture(scope="module")
+def failing_run(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    """The default check (profile ci, seed 0) of torch's checkpoint without RNG restore."""
+    folder = tmp_path_factory.mktemp("failing")
+    out = io.StringIO()  # capsys is per test; the run is shared by the module's tests
+    with contextlib.redirect_stdout(out):
+        code = main(["check", *NO_RNG, "--report-dir", str(folder), "--in-process"])
+    report = json.loads((folder / "report.json").read_text())
+    return {"code": code, "out": out.getvalue(), "report": report, "folder": folder}
+
+
+def test_a_failing_default_run_keeps_a_report_under_a_megabyte(
+        failing_run: dict[str, Any]) -> None:
+    assert failing_run["code"] == 1
+    size = (failing_run["folder"] / "report.json").stat().st_size
+    assert size < 1_000_000, f"report.json is {size} bytes"
+
+
+def test_cases_tried_while_shrinking_are_counted_not_kept(failing_run: dict[str, Any]) -> None:
+    report = failing_run["report"]
+    assert report["summary"]["shrink_attempts"] > 0
+    assert all(SHRINK_KEY not in r for r in report["cases"])
+    kept = {r["reproduce"] for r in report["cases"]}
+    assert all(f["reproduce"] in kept for f in report["minimal_failures"])  # minimal ones stay
+    assert len(kept) == len(report["cases"]) == report["summary"]["run"]
+
+
+def test_one_fault_is_shrunk_once_and_its_minimal_case_reused(
+        failing_run: dict[str, Any]) -> None:
+    failures = failing_run["report"]["minimal_failures"]
+    reused = [f for f in failures if "found_by" in f]
+    assert reused, "every failing property test searched on its own"
+    for failure in reused:
+        founder = next(f for f in failures if f["test"] == failure["found_by"])
+        assert failure["reproduce"] == founder["reproduce"]
+
+
+def test_the_cause_is_said_first_and_each_minimal_failure_once(
+        failing_run: dict[str, Any]) -> None:
+    out, report = failing_run["out"], failing_run["report"]
+    summary = out[out.index("= gradequiv ="):]
+    assert summary.count("likely cause: the recompute does not restore the RNG state") == 1
+    assert report["failure"]["diagnosis"]["cause"] == "rng-not-restored"
+    drawn = {f["reproduce"] for f in report["minimal_failures"]
+             if not f["test"].startswith("test_named_case")}
+    assert summary.count("minimal failure ") - summary.count("as minimal failure") \
+        == len(drawn)  # each distinct minimal case once, however many tests share it
+    assert "FAILURES" not in out and "short test summary" not in out
+    assert "/gradequiv-" not in summary  # no temporary folder of the suite
+
+
+def test_the_short_reproduce_line_replays_the_case_from_its_file(
+        failing_run: dict[str, Any], tmp_path: Path) -> None:
+    first = failing_run["report"]["minimal_failures"][0]
+    args = shlex.split(first["reproduce_file"])
+    assert len(first["reproduce_file"]) < 200 and args[-1].endswith("minimal-1.json")
+    assert json.loads(Path(args[-1]).read_text()) == first["case"]
+    assert main([*args[1:], "--report-dir", str(tmp_path / "again"), "--in-process"]) == 1
+    again = json.loads((tmp_path / "again" / "report.json").read_text())
+    assert again["cases"][0]["case"] == first["case"]
+
+
+def test_a_zero_shrink_budget_reports_the_failure_as_found(tmp_path: Path,
+                                                           capsys: Any) -> None:
+    assert main(["check", *NO_RNG, "--examples", "3", "--shrink-budget", "0",
+                 "--report-dir", str(tmp_path), "--in-process"]) == 1
+    assert json.loads((tmp_path / "report.json").read_text())["summary"][
+        "shrink_attempts"] == 0
+    assert main(["check", *NO_RNG, "--shrink-budget", "soon"]) == 2
+    assert "--shrink-budget='soon' is not a number" in capsys.readouterr().err
+
+
+def test_a_bigger_case_costs_more() -> None:
+    small, large = find_case("1L-layer-dropout"), find_case("4Lx128x64-layer-dropout")
+    assert 0 < small.cost() < large.cost()
+
+
+def _failure(test: str, reproduce: str, cause: str, prop: str = "gradients") -> dict[str, Any]:
+    return {"test": test, "reproduce": reproduce, "property": prop, "flaky": False,
+            "description": f"case {reproduce}", "message": f"{prop} differ\nmore",
+            "diagnosis": {"cause": cause, "sentence": f"because {cause}", "evidence": []}}
+
+
+def test_the_summary_groups_tests_by_case_and_names_named_cases_in_a_line() -> None:
+    lines = summary_lines([
+        _failure("test_outputs", "A", "rng-not-restored", "outputs"),
+        _failure("test_gradients", "A", "rng-not-restored"),
+        _failure("test_buffers", "B", "buffers-updated-twice", "buffers"),
+        _failure("test_named_case[one]", "C", "rng-not-restored"),
+        _failure("test_named_case[two]", "D", "leak", "recompute"),
+    ], {"test_inference": "RuntimeError: boom"})
+    text = "\n".join(lines)
+    assert text.count("minimal failure 1: case A") == 1 and "minimal failure 2: case B" in text
+    assert "fails: outputs, gradients (test_outputs, test_gradients)" in text
+    assert "one (gradients): same cause as minimal failure 1 (rng-not-restored)" in text
+    assert "two (recompute): because leak" in text
+    assert "test_inference: failed without a verdict: RuntimeError: boom" in text
+
+
+def test_a_count_of_ulps_beyond_rounding_is_said_in_words() -> None:
+    from gradequiv.harness.reports.findings import ulps
+
+    assert ulps(3) == "3 ULPs"
+    assert ulps(1_982_634_603) == "over 1024 ULPs: no rounding difference"
