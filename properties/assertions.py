@@ -46,7 +46,7 @@ def assert_property(name: str, impl: Implementation, case: Case, node: pytest.It
         # any new case once the shrink budget is spent. Hypothesis reports the smallest.
         if case.cost() > smallest.cost() or not run.may_shrink(node.name):
             reject()
-    verdict, fresh = run.cache.verify(impl, case, device)
+    verdict, fresh = run.cache.verify(impl, case, device, quick=shrinking)
     command = _reproduce(impl, case, device)
     if fresh:
         record = verdict_record(impl, verdict, device, reproduce=command)
@@ -95,13 +95,21 @@ def _reproduce(impl: Implementation, case: Case, device: Any) -> str:
 
 
 def replay_passes(impl: Implementation, failure: dict[str, Any]) -> bool:
-    """Run a failure's case again, outside the cache: does the property hold now?"""
+    """Run a failure's case again, outside the cache: does the property hold now?
+
+    Where the first run left out the noise floor (a case tried while shrinking), the
+    replay's record, floor measured, becomes the case's record in the report.
+    """
     case = Case.from_dict(failure["case"])
     run = runtime.RUN
     key = (runtime.implementation_key(impl), case.to_json())
     if key not in run.cache.replayed:  # tests that share a minimal case share its replay
-        run.cache.replayed[key] = verify(impl, case, device=run.device(),
-                                         tolerance=run.tolerance(case))
+        device = run.device()
+        replayed = verify(impl, case, device=device, tolerance=run.tolerance(case))
+        run.cache.replayed[key] = replayed
+        first = run.cache.get(impl, case, device)
+        if first is not None and not first.floor_measured:
+            run.record(verdict_record(impl, replayed, device, reproduce=failure["reproduce"]))
     return _failure(failure["property"], run.cache.replayed[key]) == ""
 
 

@@ -337,11 +337,17 @@ class _Gatherer:
 
     def case_finished(self, record: dict[str, Any]) -> None:
         """Keep a case as soon as it is verified: a kill or an interrupt keeps it too."""
-        self.records.setdefault(record["reproduce"], record)
+        self._keep(record)
         # Never more than a tenth of the run spent rewriting a report that grows with it.
         wait = max(self.WRITE_EVERY_S, 10 * self.write_cost)
         if self._writes_report() and time.monotonic() - self.written_at >= wait:
             self.write_report(complete=False)
+
+    def _keep(self, record: dict[str, Any]) -> None:
+        from gradequiv.harness.reports.report import better_record
+
+        if better_record(self.records.get(record["reproduce"]), record):
+            self.records[record["reproduce"]] = record
 
     def pytest_sessionstart(self, session: pytest.Session) -> None:
         """The folder is this run's: what an earlier run left there goes first."""
@@ -369,7 +375,7 @@ class _Gatherer:
             if not isinstance(value, dict):
                 continue
             if key == CASE_KEY:
-                self.records.setdefault(value["reproduce"], value)
+                self._keep(value)
             elif key == FAILURE_KEY and report.failed and report.when == "call":
                 found.append(dict(value, test=test))
         for failure in found:  # after the loop: its case's record is in by now

@@ -24,9 +24,9 @@ if TYPE_CHECKING:  # torch stays unimported until a test runs
 CASE_KEY = "gradequiv_case"
 FAILURE_KEY = "gradequiv_failure"
 #: New cases a test may try while shrinking its failure: a typical fault's minimal case is
-#: reached in 20 to 30, and the bound keeps a failing run's cost independent of the
+#: reached in about 25, and the bound keeps a failing run's cost independent of the
 #: machine's speed (``--shrink-budget`` adds a limit in seconds).
-SHRINK_TRIES = 30
+SHRINK_TRIES = 25
 #: set in a case record made while Hypothesis shrinks a failure: counted, not kept
 SHRINK_KEY = "shrink_attempt"  # the same as harness.reports.report.SHRINK_KEY
 
@@ -73,8 +73,14 @@ class VerdictCache:
     def has(self, impl: Implementation, case: Case, device: Any) -> bool:
         return (implementation_key(impl), case.to_json(), str(device)) in self._verdicts
 
-    def verify(self, impl: Implementation, case: Case, device: Any) -> tuple[Verdict, bool]:
-        """The verdict, and whether it was computed now (False: from the cache)."""
+    def get(self, impl: Implementation, case: Case, device: Any) -> Verdict | None:
+        return self._verdicts.get((implementation_key(impl), case.to_json(), str(device)))
+
+    def verify(self, impl: Implementation, case: Case, device: Any, *,
+               quick: bool = False) -> tuple[Verdict, bool]:
+        """The verdict, and whether it was computed now (False: from the cache). ``quick``:
+        the noise floor only where it can change the verdict (a case tried while
+        shrinking)."""
         from gradequiv.harness import verify
 
         key = (implementation_key(impl), case.to_json(), str(device))
@@ -82,7 +88,8 @@ class VerdictCache:
             return self._verdicts[key], False
         if self.on_start is not None:
             self.on_start(impl, case, device)
-        verdict = verify(impl, case, device=device, tolerance=RUN.tolerance(case))
+        verdict = verify(impl, case, device=device, tolerance=RUN.tolerance(case),
+                         floor_when_needed=quick)
         self._verdicts[key] = verdict
         if self.on_verdict is not None:
             self.on_verdict(verdict)

@@ -77,6 +77,7 @@ def test_the_reproduce_command_reruns_exactly_that_case(
     assert again["failure"]["first_mismatch"] == first["first_mismatch"]
 
 
+@pytest.mark.slow  # three whole check runs; tests/test_determinism.py holds a failing pair
 def test_same_seed_same_report_and_another_seed_another(
         tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     def cases(seed: str, name: str) -> list[dict[str, Any]]:

@@ -81,12 +81,16 @@ def test_the_short_reproduce_line_replays_the_case_from_its_file(
     assert again["cases"][0]["case"] == first["case"]
 
 
-def test_a_zero_shrink_budget_reports_the_failure_as_found(tmp_path: Path,
-                                                           capsys: Any) -> None:
-    assert main(["check", *NO_RNG, "--examples", "3", "--shrink-budget", "0",
-                 "--report-dir", str(tmp_path), "--in-process"]) == 1
-    assert json.loads((tmp_path / "report.json").read_text())["summary"][
-        "shrink_attempts"] == 0
+def test_a_zero_shrink_budget_reports_the_failure_as_found(
+        pytester: pytest.Pytester, tmp_path: Path, capsys: Any) -> None:
+    result = pytester.runpytest(
+        "--pyargs", "gradequiv.properties", "-p", "no:cacheprovider", "-k",
+        "test_gradients and not named", "--gradequiv-impl=torch",
+        "--gradequiv-impl-kwarg=preserve_rng_state=false", "--gradequiv-examples=3",
+        "--gradequiv-seed=0", "--gradequiv-shrink-budget=0", f"--gradequiv-report-dir={tmp_path}")
+    result.assert_outcomes(failed=1)
+    report = json.loads((tmp_path / "report.json").read_text())
+    assert report["summary"]["shrink_attempts"] == 0
     assert main(["check", *NO_RNG, "--shrink-budget", "soon"]) == 2
     assert "--shrink-budget='soon' is not a number" in capsys.readouterr().err
 
@@ -123,3 +127,38 @@ def test_a_count_of_ulps_beyond_rounding_is_said_in_words() -> None:
 
     assert ulps(3) == "3 ULPs"
     assert ulps(1_982_634_603) == "over 1024 ULPs: no rounding difference"
+
+
+@pytest.mark.parametrize(("spec", "name"), [
+    ("torch", "2L-layer-bf16-dropout"),
+    ("gradequiv.harness.implementations.faults:no_rng_restore", "1L-layer-dropout"),
+    ("gradequiv.harness.implementations.faults:gradient_skew", "1L-layer-dropout"),
+    ("gradequiv.harness.implementations.faults:autocast_lost", "2L-layer-bf16-dropout"),
+])
+def test_a_shrink_try_leaves_out_the_floor_only_where_the_verdict_cannot_need_it(
+        spec: str, name: str) -> None:
+    from gradequiv.harness import resolve, verify
+
+    impl, case = resolve(spec), find_case(name)
+    whole, quick = verify(impl, case), verify(impl, case, floor_when_needed=True)
+    assert whole.floor_measured and quick.passed == whole.passed
+    statuses = [(p.name, p.passed, p.first_failure) for p in whole.properties]
+    assert [(p.name, p.passed, p.first_failure) for p in quick.properties] == statuses
+    if whole.passed or spec.endswith("no_rng_restore"):  # bitwise equal, or far past a cap
+        assert not quick.floor_measured and "floor" not in quick.seconds
+
+
+def test_the_floor_matters_only_between_a_reordered_sum_and_the_dtype_s_cap() -> None:
+    from gradequiv.harness.engine.compare import Tolerance
+    from gradequiv.harness.engine.verify import PropertyResult, TensorCheck, _floor_matters
+
+    def checked(passed: bool, rel: float, bound: float) -> list[PropertyResult]:
+        check = TensorCheck("gradients", "grad of w", passed, rel, bound, 0.0, rel, 1.0, 1, 1)
+        return [PropertyResult("gradients", passed, checks=[check])]
+
+    bf16 = Tolerance("bf16-autocast")
+    assert _floor_matters(checked(False, 1e-4, 9.5e-7), bf16)  # a floor may forgive it
+    assert not _floor_matters(checked(False, 0.5, 9.5e-7), bf16)  # past the cap: no floor will
+    assert not _floor_matters(checked(True, 0.0, 9.5e-7), bf16)
+    assert not _floor_matters(checked(False, 1.0, 0.0), bf16)  # an integer tensor
+    assert not _floor_matters(checked(False, 1e-4, 1e-5), Tolerance("fp32", rtol=1e-5))

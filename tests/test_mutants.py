@@ -28,6 +28,7 @@ def test_the_correct_base_passes(case: Case) -> None:
     assert verdict.passed, verdict.first_failure
 
 
+@pytest.mark.slow  # every mutant over the named cases; -m mutants runs the whole command
 @pytest.mark.parametrize("mutant", [m for m in MUTANTS if not m.cuda_only], ids=lambda m: m.name)
 def test_every_mutant_is_caught(mutant: Mutant) -> None:
     """By a case of a grad mode it supports, as the suite draws them: the base itself is
@@ -64,6 +65,7 @@ def _mutants_command(folder: object, *args: str) -> dict:
 FEW = ("stale-recompute", "grad-via-backward", "state-queue-without-backward")
 
 
+@pytest.mark.slow  # the correct implementations through the whole suite, then the chosen
 def test_the_mutants_command_catches_the_chosen_and_passes_the_correct(
         tmp_path: object) -> None:
     report = _mutants_command(tmp_path, "--examples", "3",

@@ -126,6 +126,7 @@ def test_a_broken_implementation_shrinks_to_one_layer_and_its_command_fails_agai
     assert again["minimal_case"] == minimal
 
 
+@pytest.mark.slow  # starts two xdist workers, each importing torch
 def test_the_suite_spreads_over_xdist_workers(pytester: pytest.Pytester, tmp_path: Path) -> None:
     pytest.importorskip("xdist")
     result = pytester.runpytest_subprocess(

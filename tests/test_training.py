@@ -26,6 +26,7 @@ BUILTINS = ("torch", "torch-reentrant", "torch-sac", "torch-wrapper", "torch-pat
             "torch-offload", "torch-offload-wrapper")
 
 
+@pytest.mark.slow  # every named case per built-in; docs/implementations.md is checked too
 @pytest.mark.parametrize("spec", BUILTINS)
 def test_torch_s_built_ins_pass_every_named_case_they_support(spec: str) -> None:
     impl = resolve(spec)

@@ -47,7 +47,7 @@ import torch
 
 from gradequiv.harness.engine import global_state
 from gradequiv.harness.engine.case import Case
-from gradequiv.harness.engine.compare import Tolerance, measure_pairs
+from gradequiv.harness.engine.compare import DTYPE_CAPS, Tolerance, measure_pairs
 from gradequiv.harness.engine.runner import PathRun, run_path
 from gradequiv.harness.implementations.adapters import Implementation
 from gradequiv.harness.implementations.compiled import FLOOR, REFERENCE, CompileSpec
@@ -136,6 +136,7 @@ class Verdict:
     seconds: dict[str, float] = field(default_factory=dict)
     held_bytes: dict[str, int | None] = field(default_factory=dict)
     held_on: dict[str, dict[str, int] | None] = field(default_factory=dict)  # path -> device
+    floor_measured: bool = True  # False: the floor path was not needed for this verdict
 
     @property
     def passed(self) -> bool:
@@ -162,8 +163,15 @@ def verify(
     *,
     device: str | torch.device = "cpu",
     tolerance: Tolerance | None = None,
+    floor_when_needed: bool = False,
 ) -> Verdict:
-    """Check ``impl`` on ``case`` against full storage; never raises for the impl's faults."""
+    """Check ``impl`` on ``case`` against full storage; never raises for the impl's faults.
+
+    ``floor_when_needed``: run the noise-floor path only where it can change the verdict
+    (a tensor off by more than a reordered sum may be, and no more than the dtype's cap):
+    the same verdict, a third cheaper, without the floor's figures where it was not run
+    (``Verdict.floor_measured``). For the cases tried while a failure is shrunk.
+    """
     # torch's global switches as the case finds them (after the run's own, --deterministic):
     # every path starts from them, and they are put back after the case.
     clean = global_state.snapshot()
@@ -183,16 +191,27 @@ def verify(
                     f"implementation:\n{full.error}"
                 )
             global_state.restore(clean)
-            floor = run_path(case, None, device=device, start_from=full,
-                             compiled=FLOOR if impl.compiled else None)
-            global_state.restore(clean)
             recompute = run_path(case, impl, device=device, count_memory=True,
                                  start_from=full,
                                  compiled=impl.compiled.settings if impl.compiled else None)
+            floor: PathRun | None = None
+            quick: list[PropertyResult] | None = None  # the checks against a zero floor
+            if floor_when_needed and recompute.error is None and not impl.compiled:
+                quick = _check_all(case, full, full, recompute, tolerance)
+                if _floor_matters(quick, tolerance):
+                    quick = None
+            if quick is None:
+                global_state.restore(clean)
+                floor = run_path(case, None, device=device, start_from=full,
+                                 compiled=FLOOR if impl.compiled else None)
     finally:
         stuck = global_state.restore(clean)  # what could not be put back for the next case
-    verdict.seconds = {"full": full.seconds, "floor": floor.seconds,
-                       "recompute": recompute.seconds}
+    verdict.floor_measured = floor is not None
+    verdict.seconds = {"full": full.seconds, "recompute": recompute.seconds}
+    if floor is None:  # the verdict cannot depend on it: the full path stands in, floor 0
+        floor = full
+    else:
+        verdict.seconds["floor"] = floor.seconds
     verdict.held_bytes = {"full": full.held_bytes, "recompute": recompute.held_bytes}
     verdict.warnings = recompute.warnings
     if stuck:
@@ -211,11 +230,24 @@ def verify(
         return verdict
     started = time.perf_counter()
     verdict.held_on = {"full": full.held_on, "recompute": recompute.held_on}
-    verdict.properties = _check_all(case, full, floor, recompute, tolerance, impl.compiled)
+    verdict.properties = quick if quick is not None else _check_all(
+        case, full, floor, recompute, tolerance, impl.compiled)
     if impl.offloads:  # the last property asks another question of an offload
         verdict.properties[-1] = _check_offload(case, full, recompute, device)
     verdict.seconds["compare"] = time.perf_counter() - started
     return verdict
+
+
+def _floor_matters(checked: list[PropertyResult], tolerance: Tolerance) -> bool:
+    """Whether the noise floor can change a verdict ``checked`` against a floor of zero: a
+    tensor fails by no more than the dtype's cap (a measured floor may raise its bound that
+    far). A tensor that passes at a zero floor passes at any; one past the cap fails at
+    any; integer tensors and explicit bounds ignore the floor."""
+    if tolerance.rtol is not None:
+        return False
+    cap = DTYPE_CAPS[tolerance.regime]
+    return any(not c.passed and c.bound > 0 and c.rel_error <= cap
+               for result in checked for c in result.checks)
 
 
 def check_runnable(case: Case, device: str | torch.device) -> None:

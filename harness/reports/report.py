@@ -134,6 +134,8 @@ def verdict_record(impl: Implementation, verdict: Verdict, device: torch.device,
         "held_on": verdict.held_on,
         "properties": properties,
     }
+    if not verdict.floor_measured:  # not needed for this verdict; its figures read 0
+        record["floor_measured"] = False
     if not verdict.passed:  # every gradient's error, for a heatmap of where the fault sits
         record["gradient_errors"] = {
             c.name: _finite_number(c.rel_error) for p in verdict.properties
@@ -200,6 +202,13 @@ def assemble_check_report(
         "minimal_failures": failures,
         "statistics": _statistics(records),
     }
+
+
+def better_record(kept: dict[str, Any] | None, new: dict[str, Any]) -> bool:
+    """Whether ``new`` replaces the record ``kept`` of the same case: the first record of
+    a case stays, unless it left out the noise floor and ``new`` measured it."""
+    return kept is None or (kept.get("floor_measured") is False
+                            and new.get("floor_measured", True))
 
 
 def distinct_cases(records: list[dict[str, Any]],
@@ -282,7 +291,8 @@ def process_ended_report(last: dict[str, Any], records: list[dict[str, Any]], *,
     """
     by_reproduce = {r["reproduce"]: r for r in last.get("cases", [])}
     for record in records:
-        by_reproduce.setdefault(record["reproduce"], record)
+        if better_record(by_reproduce.get(record["reproduce"]), record):
+            by_reproduce[record["reproduce"]] = record
     cases, attempts = distinct_cases(list(by_reproduce.values()),
                                      last.get("minimal_failures", []))
     failed = sum(r["verdict"] == "fail" for r in cases)
