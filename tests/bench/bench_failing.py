@@ -6,7 +6,7 @@ The rounds interleave the three, so a machine that slows down slows all of
 them; ``test_failing_over_passing`` prints each failing one's median wall
 time over the passing one's, with p95 and the report size. The aim: at most 2.
 
-Run: ``tox -e bench -- -k bench_failing`` (about 5 minutes on 2 cores), on an
+Run: ``tox -e bench -- -k bench_failing`` (about 6 minutes on 2 cores), on an
 otherwise idle machine.
 """
 
@@ -26,7 +26,7 @@ RUNS = {
                                            "preserve_rng_state=false"],
     "failing: README example (autocast lost)": ["--impl", "hand_written:my_checkpoint"],
 }
-ROUNDS = 3
+ROUNDS = 5
 
 
 def _run(args: list[str], folder: Path) -> tuple[float, int, int]:
