@@ -16,13 +16,14 @@ from hypothesis import currently_in_test_context, event, reject, target
 
 from gradequiv.harness import Case, Implementation, Verdict, verify
 from gradequiv.harness.reports.report import (
+    SHRINK_KEY,
     pytest_reproduce_command,
     reproduce_command,
     verdict_record,
 )
 from gradequiv.properties import runtime
 
-CASE_KEY, FAILURE_KEY, SHRINK_KEY = runtime.CASE_KEY, runtime.FAILURE_KEY, runtime.SHRINK_KEY
+CASE_KEY, FAILURE_KEY = runtime.CASE_KEY, runtime.FAILURE_KEY
 
 
 def assert_property(name: str, impl: Implementation, case: Case, node: pytest.Item, *,
@@ -47,7 +48,8 @@ def assert_property(name: str, impl: Implementation, case: Case, node: pytest.It
         if case.cost() > smallest.cost() or not run.may_shrink(node.name):
             reject()
     verdict, fresh = run.cache.verify(impl, case, device, quick=shrinking)
-    command = _reproduce(impl, case, device)
+    message = _failure(name, verdict)
+    command = _reproduce(impl, case, device) if fresh or message else ""
     if fresh:
         record = verdict_record(impl, verdict, device, reproduce=command)
         if shrinking:
@@ -56,7 +58,6 @@ def assert_property(name: str, impl: Implementation, case: Case, node: pytest.It
         run.record(record)
     if currently_in_test_context():
         _statistics(case, verdict)
-    message = _failure(name, verdict)
     if not message:
         return
     failure = {"property": name, "message": message, "flaky": False,

@@ -27,8 +27,6 @@ FAILURE_KEY = "gradequiv_failure"
 #: reached in about 25, and the bound keeps a failing run's cost independent of the
 #: machine's speed (``--shrink-budget`` adds a limit in seconds).
 SHRINK_TRIES = 25
-#: set in a case record made while Hypothesis shrinks a failure: counted, not kept
-SHRINK_KEY = "shrink_attempt"  # the same as harness.reports.report.SHRINK_KEY
 
 
 def default_profile() -> str:

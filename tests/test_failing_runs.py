@@ -13,8 +13,8 @@ import pytest
 
 from gradequiv.harness import find_case
 from gradequiv.harness.cli import main
+from gradequiv.harness.reports.report import SHRINK_KEY
 from gradequiv.harness.reports.terminal import summary_lines
-from gradequiv.properties.runtime import SHRINK_KEY
 
 NO_RNG = ["--impl", "torch", "--impl-kwarg", "preserve_rng_state=false"]
 

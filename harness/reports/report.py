@@ -25,7 +25,7 @@ if TYPE_CHECKING:  # torch is imported on use: a supervisor writes reports witho
     from gradequiv.harness.implementations.adapters import Implementation
 
 SCHEMA_VERSION = 1
-#: marks a case record made while a failure was shrunk (``properties.runtime.SHRINK_KEY``)
+#: marks a case record made while a failure was shrunk: counted in the report, not kept
 SHRINK_KEY = "shrink_attempt"
 
 

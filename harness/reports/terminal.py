@@ -11,6 +11,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from gradequiv.harness.reports.findings import failure_groups
+
 __all__ = ["summary_lines"]
 
 #: named-case failures listed one per line before the rest are counted
@@ -21,7 +23,8 @@ def summary_lines(failures: list[dict[str, Any]], errors: dict[str, str]) -> lis
     """Lines for ``failures`` (minimal failures, each with ``test`` and, where known,
     ``diagnosis``) and ``errors`` (tests that failed without one: test -> last line)."""
     lines: list[str] = []
-    drawn = _by_case([f for f in failures if not f["test"].startswith("test_named_case")])
+    drawn = [g.failures for g in failure_groups(
+        {"minimal_failures": [f for f in failures if not f["test"].startswith("test_named_case")]})]
     named = [f for f in failures if f["test"].startswith("test_named_case")]
     causes: dict[str, int] = {}
     for number, group in enumerate(drawn, start=1):
@@ -59,10 +62,3 @@ def summary_lines(failures: list[dict[str, Any]], errors: dict[str, str]) -> lis
         lines.append(f"{test}: failed without a verdict: {last}")
     return lines
 
-
-def _by_case(failures: list[dict[str, Any]]) -> list[list[dict[str, Any]]]:
-    """Failures grouped by their minimal case, in the order found."""
-    groups: dict[str, list[dict[str, Any]]] = {}
-    for failure in failures:
-        groups.setdefault(failure["reproduce"], []).append(failure)
-    return list(groups.values())
