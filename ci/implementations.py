@@ -49,6 +49,7 @@ COMMON = [
     ("torch.autograd.grad, dropout", "2L-layer-autograd-grad-dropout", {}),
     ("2 micro-batches accumulated, dropout", "2L-layer-accumulate-dropout", {}),
     ("eval and no_grad forwards first, dropout", "2L-layer-inference-first-dropout", {}),
+    ("first layer frozen under no_grad, dropout", "2L-layer-frozen-first-layer", {}),
     ("aux loss, each layer twice, x0 by keyword", "2L-layer-aux-shared-x0kw-dropout", {}),
     ("one layer, 128k-element inputs, dropout", "1Lx256x128-layer-dropout-128k", {}),
     ("inputs without grad (frozen embeddings)", "2L-layer-frozen-embeddings", {}),

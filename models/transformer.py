@@ -28,7 +28,11 @@ knobs make segments look like other real layers, each off by default:
 * ``fp32_last_layer``: the last layer runs under ``torch.autocast(enabled=False)``
   inside an autocast forward (models keep their first or last layers, routers and
   norms out of low precision), so the autocast state differs between the segments
-  of one forward; without autocast it changes nothing.
+  of one forward; without autocast it changes nothing;
+* ``frozen_first_layer``: the first layer runs under ``torch.no_grad()`` inside the
+  training forward (a frozen bottom layer, as fine-tuning keeps early layers fixed),
+  so grad mode differs between the segments of one forward: that layer's weights
+  get no gradient, and a checkpoint must not make its output require grad.
 """
 
 from __future__ import annotations
@@ -244,6 +248,8 @@ class Block(nn.Module):
         # Set on the model's last block under ``fp32_last_layer``: whoever calls this block
         # (the model, or the group it is in) calls it with autocast disabled.
         self.autocast_off = False
+        # Set on the model's first block under ``frozen_first_layer``: called under no_grad.
+        self.grad_off = False
 
     def forward(
         self,
@@ -290,12 +296,15 @@ def _run_layer(
     residual_scale: float,
 ) -> tuple[Tensor, Tensor | None]:
     """One layer (or group) through ``call``, ``x0`` by position or keyword, with autocast
-    disabled for a block marked ``autocast_off``; its new residual stream and its aux loss
-    (None without one)."""
+    disabled for a block marked ``autocast_off`` and grad mode off for one marked
+    ``grad_off``; its new residual stream and its aux loss (None without one)."""
     precision: contextlib.AbstractContextManager[Any] = contextlib.nullcontext()
     if getattr(layer, "autocast_off", False):
         precision = torch.autocast(x.device.type, enabled=False)
-    with precision:
+    grad_mode: contextlib.AbstractContextManager[Any] = contextlib.nullcontext()
+    if getattr(layer, "grad_off", False):
+        grad_mode = torch.no_grad()
+    with precision, grad_mode:
         if x0_keyword:  # the mask follows x0 in the signature, so it goes by keyword too
             out = call(layer, x, x0=x0, key_padding_mask=key_padding_mask, causal=causal,
                        residual_scale=residual_scale)
@@ -383,6 +392,7 @@ class TransformerConfig:
     x0_keyword: bool = False  # x0 reaches each layer by keyword (a grad-needing kwarg)
     running_stats: bool = False  # each MLP keeps counters and a running mean in buffers
     fp32_last_layer: bool = False  # the last layer runs with autocast disabled
+    frozen_first_layer: bool = False  # the first layer runs under torch.no_grad()
 
     def __post_init__(self) -> None:
         for name in ("n_layer", "n_embd", "n_head", "ffn_mult", "vocab_size", "max_seq_len",
@@ -390,7 +400,8 @@ class TransformerConfig:
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
                 raise InvalidArgument(f"{name}={value!r}: must be a whole number >= 1")
-        for name in ("aux_loss", "x0_keyword", "running_stats", "fp32_last_layer"):
+        for name in ("aux_loss", "x0_keyword", "running_stats", "fp32_last_layer",
+                     "frozen_first_layer"):
             value = getattr(self, name)
             if not isinstance(value, bool):
                 raise InvalidArgument(f"{name}={value!r}: must be true or false")
@@ -432,6 +443,7 @@ class Transformer(RoutedModel):
         self.embd_dropout = nn.Dropout(config.embd_dropout)
         self.blocks = nn.ModuleList(Block(config) for _ in range(config.n_layer))
         cast("Block", self.blocks[-1]).autocast_off = config.fp32_last_layer
+        cast("Block", self.blocks[0]).grad_off = config.frozen_first_layer
         self.norm_f = make_norm(config)
         self.lm_head = nn.Linear(config.n_embd, config.vocab_size, bias=False)
         if config.tie_embeddings:

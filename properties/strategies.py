@@ -25,6 +25,7 @@ from gradequiv.models import (
     BatchNormConfig,
     ExternalConfig,
     Granularity,
+    LayerGroups,
     TransformerConfig,
     parse_granularity,
 )
@@ -306,6 +307,14 @@ def cases(
     mode = draw(grad_modes(modes))
     if mode == "create-graph":  # SDPA's fused kernels have no double backward
         model = replace(model, attention="manual")
+    inference = draw(st.booleans())
+    if model.n_layer > 1 and not isinstance(granularity, LayerGroups):
+        # The first layer under no_grad (frozen) while the rest trains: grad mode differs
+        # between the segments of one forward. Not inside a group, where the frozen layer
+        # is no segment of its own, and where torch's selective checkpoint caches the ops
+        # it runs under no_grad too (more bytes held than with full storage: a memory cost
+        # of SAC, not a wrong gradient).
+        model = replace(model, frozen_first_layer=draw(st.booleans()))
     return Case(
         model=model,
         batch=batch,
@@ -313,5 +322,5 @@ def cases(
         dtype=dtype,
         seed=seed,
         grad_mode=mode,
-        inference=draw(st.booleans()),
+        inference=inference,
     )

@@ -47,6 +47,9 @@ def diagnosed(spec: str, name: str) -> tuple[str, str, dict[str, Any]]:
     (FAULTS + "recomputed_kept", "1L-layer-dropout", "leak", "past backward"),
     ("wrong_impls:wrong_from_second_step", "1L-layer-dropout", "later-step", "step 2"),
     (FAULTS + "grad_via_backward", "2L-layer-autograd-grad-dropout", "grad-touched", ".grad"),
+    (FAULTS + "grad_mode_forced_on", "2L-layer-frozen-first-layer", "grad-mode-ignored",
+     "under no_grad"),
+    (FAULTS + "stash_kept_after_warmup", "1L-layer-dropout", "leak", "past backward"),
 ])
 def test_each_fault_is_diagnosed_by_its_cause(spec: str, case: str, cause: str,
                                               words: str) -> None:

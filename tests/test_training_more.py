@@ -1,9 +1,10 @@
-"""Three more things real training does that a recompute must carry: a gradient penalty
+"""Five more things real training does that a recompute must carry: a gradient penalty
 (gradients taken with ``create_graph=True``, then backpropagated again), buffers a layer
-updates in its training forwards (counters compared exactly), and a layer run with
-autocast disabled inside an autocast forward. For each: the case kind, drawn cheapest
-last; torch's built-ins that claim it passing bitwise; a mutant caught by it and not
-without it."""
+updates in its training forwards (counters compared exactly), a layer run with autocast
+disabled inside an autocast forward, a layer run under ``no_grad`` inside a training
+forward (frozen), and memory over steps (a leak or a fallback that starts after the first
+step). For each: the case kind or check; torch's built-ins passing it bitwise; a mutant
+caught by it and not without it."""
 
 from __future__ import annotations
 
@@ -65,9 +66,19 @@ ISLAND = {
                            dtype="bf16-autocast", granularity=parse_granularity("every:2")),
 }
 
+FROZEN = {
+    "named": find_case("2L-layer-frozen-first-layer"),
+    "attention-accumulate": Case(model=replace(SMALL, frozen_first_layer=True),
+                                 batch=BatchConfig(4, 8), grad_mode="accumulate",
+                                 granularity=parse_granularity("attention")),
+    "3L-every2-bf16": Case(model=replace(SMALL, n_layer=3, frozen_first_layer=True),
+                           batch=BATCH, dtype="bf16-autocast",
+                           granularity=parse_granularity("every:2")),
+}
+
 
 #: The case kinds every built-in runs (the third of each kind only where it says).
-_EVERY = ("named", "group-shared-accumulate", "attention-fp16")
+_EVERY = ("named", "group-shared-accumulate", "attention-fp16", "attention-accumulate")
 
 
 def _impl(name: str) -> Implementation:
@@ -164,7 +175,7 @@ def test_a_gradient_penalty_recomputes_once_per_backward_pass() -> None:
     re-runs each segment forward once in each, and the recompute property allows it."""
     run = run_path(PENALTY["named"], resolve("torch"), device=CPU)
     assert run.error is None and run.steps[0].calls
-    assert all(bwd == 2 * fwd for fwd, bwd in run.steps[0].calls.values())
+    assert all(bwd == 2 * fwd for fwd, bwd, *_ in run.steps[0].calls.values())
     assert _property(_verdict("torch", PENALTY["named"]), "recompute").passed is True
 
 
@@ -340,7 +351,7 @@ def test_the_island_is_drawn_for_autocast_regimes_only() -> None:
 # -- the named spread ---------------------------------------------------------------------
 
 def test_the_named_spread_has_one_cheap_case_of_each_kind() -> None:
-    new = [PENALTY["named"], STATS["named"], ISLAND["named"]]
+    new = [PENALTY["named"], STATS["named"], ISLAND["named"], FROZEN["named"]]
     assert all(c in default_cases() for c in new)
     assert all(isinstance(c.model, TransformerConfig) and c.model.n_layer == 2
                and c.model.n_embd == 16 for c in new)
@@ -354,3 +365,106 @@ def test_the_report_schema_knows_every_grad_mode() -> None:
 
     case = report_schema()["$defs"]["case"]["properties"]
     assert case["grad_mode"]["enum"] == list(GRAD_MODES)
+
+
+# -- 4. a layer under no_grad inside the training forward (frozen) ------------------------
+
+def test_the_first_layer_runs_under_no_grad_inside_the_training_forward() -> None:
+    path = build_path(FROZEN["named"], CPU)
+    path.install(None)
+    grad_mode: dict[int, bool] = {}
+    for i, block in enumerate(path.model.blocks):
+        block.attn.qkv.register_forward_hook(
+            lambda *_, i=i: grad_mode.__setitem__(i, torch.is_grad_enabled()))
+    _, loss = path.forward()
+    loss.backward()
+    assert grad_mode == {0: False, 1: True}
+    blocks = path.model.blocks
+    assert all(p.grad is None for p in blocks[0].parameters())
+    assert all(p.grad is not None for p in blocks[1].parameters())
+    assert "first layer under no_grad" in FROZEN["named"].describe()
+
+
+@pytest.mark.parametrize("spec", [*BUILTINS, "base"])
+def test_every_built_in_keeps_a_no_grad_layer_out_of_the_graph(spec: str) -> None:
+    for name, case in FROZEN.items():
+        if name in _EVERY or spec == "torch":
+            verdict = _verdict(spec, case)
+            assert _bitwise(verdict), (name, verdict.first_failure)
+
+
+def test_grad_mode_forced_on_is_caught_by_the_frozen_layer_and_only_by_it() -> None:
+    """A checkpoint whose output always requires grad gives the frozen layer, and the
+    embedding before it, gradients that full storage leaves None."""
+    for name in ("named", "3L-every2-bf16"):
+        caught = _verdict("grad-mode-forced-on", FROZEN[name])
+        assert caught.first_failure.startswith("gradients: grad of blocks.0."), \
+            (name, caught.first_failure)
+        assert "exists only on the recompute path" in caught.first_failure
+        thawed = replace(FROZEN[name], model=replace(FROZEN[name].model,
+                                                     frozen_first_layer=False))
+        assert _verdict("grad-mode-forced-on", thawed).passed, name
+    assert _BY_NAME["grad-mode-forced-on"].source.startswith("https://github.com/")
+
+
+def test_a_segment_run_under_no_grad_has_nothing_to_recompute() -> None:
+    """Its forward saved nothing: no re-run is asked of it, and one would be a fault."""
+    full = run_path(FROZEN["named"], None, device=CPU)
+    assert full.steps[0].calls["blocks.0"] == [1, 0, 0]  # one forward, none with grad on
+    assert full.steps[0].calls["blocks.1"] == [1, 0, 1]
+    recompute = _property(_verdict("torch", FROZEN["named"]), "recompute")
+    assert recompute.passed is True
+    only_frozen = replace(FROZEN["named"], granularity=parse_granularity("every:2"))
+    skipped = _property(_verdict("torch", only_frozen), "recompute")
+    assert skipped.passed is None and "under no_grad" in skipped.summary
+    forced = _property(_verdict("grad-mode-forced-on", FROZEN["named"]), "recompute")
+    assert any("its forward ran under no_grad" in f for f in forced.failures)
+
+
+def test_the_frozen_layer_is_drawn_off_first_outside_layer_groups() -> None:
+    seen = [c for c in _drawn(cases()) if isinstance(c.model, TransformerConfig)]
+    assert {c.model.frozen_first_layer for c in seen} == {False, True}
+    frozen = [c for c in seen if c.model.frozen_first_layer]
+    assert all(c.model.n_layer > 1 for c in frozen)
+    assert not any(str(c.granularity).startswith("group") for c in frozen)
+    assert not TransformerConfig().frozen_first_layer
+
+
+# -- 5. memory over steps: what a later step holds and leaves -------------------------------
+
+def test_held_and_leaked_bytes_are_counted_at_every_step() -> None:
+    run = run_path(FROZEN["named"], resolve("torch"), device=CPU, count_memory=True)
+    held = [s.held_bytes for s in run.steps]
+    left = [s.left_bytes for s in run.steps]
+    assert len(held) == 2 and all(h is not None and h > 0 for h in held)
+    assert held[0] == run.held_bytes and held[1] == held[0]  # the same shapes, step after step
+    assert left == [0, 0]
+
+
+def test_a_stash_that_fills_from_the_second_step_is_caught_at_that_step() -> None:
+    """Nothing leaks at step 1, so a leak check of the first step alone passes it."""
+    caught = _property(_verdict("stash-kept-after-warmup", FROZEN["named"]), "recompute")
+    assert caught.passed is False
+    assert caught.failures[0].startswith("step 2: ") and "still alive after its backward" \
+        in caught.failures[0]
+    from_start = _property(_verdict("saved-inputs-kept", FROZEN["named"]), "recompute")
+    assert from_start.failures[0].startswith("step 1: ")
+    assert _BY_NAME["stash-kept-after-warmup"].source.startswith("https://github.com/")
+
+
+def test_a_recompute_that_stops_freeing_after_the_first_step_is_caught_at_that_step() -> None:
+    from gradequiv.harness.engine.runner import PathRun, StepRecord
+    from gradequiv.harness.engine.verify import _check_freed
+
+    def run(*held: int) -> PathRun:
+        t = torch.zeros(1)
+        return PathRun(steps=[StepRecord(t, t, {}, {}, {}, {}, held_bytes=h) for h in held],
+                       held_bytes=held[0])
+
+    result = PropertyResult("recompute", True)
+    _check_freed(run(100, 100), run(60, 60), result)
+    assert result.failures == []
+    _check_freed(run(100, 100), run(60, 100), result)
+    assert result.failures == ["step 2: activation bytes held between forward and backward: "
+                               "100 on the recompute path, 100 on the full-storage path; "
+                               "nothing was freed"]

@@ -45,7 +45,8 @@ _CONFIGS: dict[str, _ConfigType] = {
 _GRAD_MODE_WORDS = {"autograd-grad": "torch.autograd.grad", "accumulate": "2 micro-batches",
                     "create-graph": "gradient penalty (create_graph)"}
 _SHAPE_KNOBS = {"aux_loss": "aux loss", "x0_keyword": "x0 by keyword",
-                "running_stats": "running stats", "fp32_last_layer": "last layer autocast off"}
+                "running_stats": "running stats", "fp32_last_layer": "last layer autocast off",
+                "frozen_first_layer": "first layer under no_grad"}
 
 
 @dataclass(frozen=True)

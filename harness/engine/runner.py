@@ -11,11 +11,11 @@ a ``no_grad`` forward where the case has them. Observed per step: loss,
 outputs, every parameter and input gradient (``None`` kept as ``None``), any
 ``.grad`` that ``torch.autograd.grad`` changed, buffers, RNG state, how often
 each segment's forward ran in the forward and in the backward phase, and on
-the recompute path the backward ops that read its parameters; once: the
-activation bytes held for backward after the first forward, those the first
-step left alive after its backward, the eval and ``no_grad`` outputs, the
-final parameters, and torch's global switches as the path left them
-(:mod:`.global_state`).
+the recompute path the backward ops that read its parameters, the activation
+bytes held for backward after the step's first forward and those the step left
+alive after its backward (a leak may start at any step: a stash a later step
+fills); once: the eval and ``no_grad`` outputs, the final parameters, and
+torch's global switches as the path left them (:mod:`.global_state`).
 
 An exception raised by the implementation is caught here and kept with its
 traceback: it becomes a failed verdict, never a crash of the harness.
@@ -62,9 +62,12 @@ class StepRecord:
     grads: dict[str, Tensor | None]  # "param:<name>" and "input:<segment>:<arg>"
     buffers: dict[str, Tensor]
     rng: dict[str, Tensor]  # "cpu", "cuda:N": the global generator states after the step
-    calls: dict[str, list[int]]  # counted module -> [forward-phase calls, backward-phase calls]
+    # counted module -> [forward-phase calls, backward-phase calls with grad on, forward-phase
+    # calls with grad on]
+    calls: dict[str, list[int]]
     touched: list[str] = field(default_factory=list)  # .grad changed by torch.autograd.grad
-    left_bytes: int | None = None  # step 1: bytes it made, alive after its backward (a leak)
+    left_bytes: int | None = None  # bytes the step made, alive after its backward (a leak)
+    held_bytes: int | None = None  # bytes the step's first forward made, alive until backward
     # counted module -> [0, ops reading its parameters in backward with grad on]
     uses: dict[str, list[int]] = field(default_factory=dict)
 
@@ -171,18 +174,19 @@ def run_path(
                 if uses is not None:
                     uses.reset()
                 batches = path.micro_batches()
-                # Step 1, eager: what the step makes, held after its forward and still alive
-                # after its backward (a leak), by one counter over both.
+                # Eager: what the step makes, held after its forward and still alive after
+                # its backward (a leak), by one counter over both, at every step.
                 made = ActivationCounter(exclude=path.not_activations()) \
-                    if count_memory and step == 1 and compiled is None else None
+                    if count_memory and compiled is None else None
                 kept: list[Tensor] = []
                 touched: set[str] = set()
+                step_held: int | None = None
                 with made if made is not None else contextlib.nullcontext():
                     for k, batch in enumerate(batches):
                         part = f" (micro-batch {k + 1} of {len(batches)})" if k else ""
                         grads_in.suffix = f" (micro-batch {k + 1})" if k else ""
                         where = f"step {step} forward{part}"
-                        measure = count_memory and step == 1 and k == 0
+                        measure = count_memory and k == 0
                         if made is not None:
                             outputs, loss = path.forward(call, batch)
                             held = made.held_bytes_by_device(ignore=[outputs, loss]) \
@@ -191,7 +195,9 @@ def run_path(
                             outputs, loss, held = _forward(path, call, measure, batch,
                                                            compiled=compiled is not None)
                         if measure and held is not None:
-                            run.held_on, run.held_bytes = held, sum(held.values())
+                            step_held = sum(held.values())
+                            if step == 1:
+                                run.held_on, run.held_bytes = held, step_held
                         where = f"step {step} backward{part}"
                         if len(batches) > 1:  # the step's loss: the micro-batches' mean
                             loss = loss / len(batches)
@@ -206,6 +212,7 @@ def run_path(
                             *(t.grad for t in inputs if t is not None and t.grad is not None)])
                 run.steps.append(_record(model, params, inputs, kept, grads_in.grads, calls,
                                          device, sorted(touched), left))
+                run.steps[-1].held_bytes = step_held
                 if uses is not None:
                     run.steps[-1].uses = {n: list(c) for n, c in uses.uses.items()}
                 where = f"step {step} optimizer"
@@ -359,13 +366,27 @@ def _counted_modules(model: nn.Module, segments: list[Segment]) -> dict[str, nn.
 
 
 def _count_calls(counted: dict[str, nn.Module], phase: _Phase) -> dict[str, list[int]]:
-    """Count each counted module's forward calls per phase, with forward pre-hooks."""
+    """Count each counted module's forward calls, with forward pre-hooks:
+    ``[forward phase, backward phase with grad on, forward phase with grad on]``.
+
+    A call in backward with grad mode off is no recompute (a recompute re-runs forward
+    under ``enable_grad``; a layer the model runs under ``no_grad`` re-runs under it
+    again). On the full-storage path the last count is how many of the forwards backward
+    must recompute: a forward under ``no_grad`` made nothing to recompute. (Inside a
+    reentrant checkpoint every forward runs under ``no_grad``, so that count means
+    nothing on the recompute path.)
+    """
     calls: dict[str, list[int]] = {}
     for name, module in counted.items():
-        counter = calls[name] = [0, 0]
+        counter = calls[name] = [0, 0, 0]
 
         def hook(_module: nn.Module, _args: Any, counter: list[int] = counter) -> None:
-            counter[phase.index] += 1
+            grad = torch.is_grad_enabled()
+            if phase.index == 0:
+                counter[0] += 1
+                counter[2] += grad
+            elif grad:
+                counter[1] += 1
 
         module.register_forward_pre_hook(hook)
     return calls
@@ -373,7 +394,7 @@ def _count_calls(counted: dict[str, nn.Module], phase: _Phase) -> dict[str, list
 
 def _reset(calls: dict[str, list[int]]) -> None:
     for counter in calls.values():
-        counter[0] = counter[1] = 0
+        counter[:] = [0] * len(counter)
 
 
 class _SegmentInputGrads:

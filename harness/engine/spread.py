@@ -91,6 +91,8 @@ def default_cases() -> list[Case]:
         _case("2L-layer-create-graph-manual-attn", replace(
             _SMALL, attention="manual", **_ALL_DROPOUT), "layer", seed=26,
             grad_mode="create-graph"),
+        _case("2L-layer-frozen-first-layer", replace(
+            _SMALL, frozen_first_layer=True, **_ALL_DROPOUT), "layer", seed=27),
         _case("4Lx128x64-layer-dropout", _LARGE, "layer", batch=BatchConfig(2, 64), seed=11),
         _case("4Lx128x64-group2-bf16", _LARGE, "group:2", "bf16-autocast",
               batch=BatchConfig(2, 64), seed=12),

@@ -414,15 +414,31 @@ def _check_recompute(case: Case, full: PathRun, rc: PathRun, result: PropertyRes
     # A gradient penalty backpropagates twice (create_graph, then through that graph): each
     # pass may recompute each forward once; one recompute kept for both is right too.
     passes = 2 if case.grad_mode == "create-graph" else 1
+    if compiled is None and full.steps and full.steps[0].calls and not any(
+            _to_recompute(counts) for counts in full.steps[0].calls.values()):
+        result.passed = None
+        result.summary = ("every selected segment ran under no_grad: nothing was saved for "
+                          "backward, so there was nothing to recompute")
+        return
     for k, (step_rc, step_full) in enumerate(zip(rc.steps, full.steps), start=1):
-        for module, (fwd, bwd) in step_rc.calls.items():
-            full_fwd = step_full.calls.get(module, [0, 0])[0]
+        for module, counts in step_rc.calls.items():
+            fwd, bwd = counts[0], counts[1]
+            full_counts = step_full.calls.get(module, [0, 0])
+            full_fwd, to_recompute = full_counts[0], _to_recompute(full_counts)
             read_bwd = step_rc.uses.get(module, [0, 0])[1]
             if fwd != full_fwd:
                 result.failures.append(
                     f"step {k}: {module} ran {fwd} time(s) in forward on the recompute path and "
                     f"{full_fwd} on the full-storage path"
                 )
+            if to_recompute < full_fwd:  # some forwards ran under no_grad: none to re-run
+                full_fwd = to_recompute
+                if to_recompute == 0:
+                    if bwd > 0:
+                        result.failures.append(
+                            f"step {k}: {module} ran {bwd} time(s) in backward, but its "
+                            f"forward ran under no_grad: nothing of it was to recompute")
+                    continue
             if bwd == 0 and read_bwd == 0:
                 result.failures.append(
                     f"step {k}: {module} did not run again in backward (no forward call, no op "
@@ -444,18 +460,36 @@ def _check_recompute(case: Case, full: PathRun, rc: PathRun, result: PropertyRes
                     f"forward; each of its forwards must be recomputed once"
                 )
     _check_leaks(full, rc, result)
-    held_rc, held_full = rc.held_bytes, full.held_bytes
-    if held_rc is not None and held_full is not None and held_rc >= held_full:
-        result.failures.append(
-            f"activation bytes held between forward and backward: {held_rc} on the recompute "
-            f"path, {held_full} on the full-storage path; nothing was freed"
-        )
+    _check_freed(full, rc, result)
+
+
+def _to_recompute(counts: list[int]) -> int:
+    """How many of a module's forwards on the full-storage path backward must recompute: those
+    run with grad on (older records count every forward)."""
+    return counts[2] if len(counts) > 2 else counts[0]
+
+
+def _check_freed(full: PathRun, rc: PathRun, result: PropertyResult) -> None:
+    """Fewer activation bytes held between forward and backward than with full storage, at
+    every step: a recompute that falls back to keeping activations after its first step (a
+    warm-up path, a cache filled once) saves nothing from then on."""
+    held = [(s_rc.held_bytes, s_full.held_bytes) for s_rc, s_full in zip(rc.steps, full.steps)]
+    if not held or held[0] == (None, None):  # observed by the step record, or by the run only
+        held = [(rc.held_bytes, full.held_bytes)]
+    for k, (held_rc, held_full) in enumerate(held, start=1):
+        if held_rc is not None and held_full is not None and held_rc >= held_full:
+            at = f"step {k}: " if k > 1 else ""
+            result.failures.append(
+                f"{at}activation bytes held between forward and backward: {held_rc} on the "
+                f"recompute path, {held_full} on the full-storage path; nothing was freed"
+            )
+            return
 
 
 def _check_leaks(full: PathRun, rc: PathRun, result: PropertyResult) -> None:
-    """Nothing the first step made may outlive its backward more than with full storage:
-    a recompute that keeps graphs, saved inputs or recomputed activations alive leaks
-    them step after step."""
+    """Nothing a step made may outlive its backward more than with full storage, at any step
+    (a stash that only later steps fill leaks too): a recompute that keeps graphs, saved
+    inputs or recomputed activations alive leaks them step after step."""
     for k, (step_rc, step_full) in enumerate(zip(rc.steps, full.steps), start=1):
         left_rc, left_full = step_rc.left_bytes, step_full.left_bytes
         if left_rc is not None and left_full is not None and left_rc > left_full:
@@ -476,7 +510,8 @@ def _check_offload(case: Case, full: PathRun, rc: PathRun,
         result.passed, result.summary = None, "no segment selected (granularity none)"
         return result
     for k, (step_rc, step_full) in enumerate(zip(rc.steps, full.steps), start=1):
-        for module, (fwd, bwd) in step_rc.calls.items():
+        for module, counts in step_rc.calls.items():
+            fwd, bwd = counts[0], counts[1]
             full_fwd = step_full.calls.get(module, [0, 0])[0]
             bwd = max(bwd, step_rc.uses.get(module, [0, 0])[1])  # by hooks or by its ops
             if fwd != full_fwd or bwd != 0:

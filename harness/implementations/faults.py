@@ -76,6 +76,10 @@ class Faults:
     #                                    detached inputs: no second-order term through it
     autocast_latched: bool = False  # autocast state kept in one process-wide slot: the last
     #                                 segment's forward decides every recompute's
+    stash_kept_after_warmup: bool = False  # from a segment's first backward on, its saved
+    #                                        inputs also go to a stash nobody clears
+    grad_mode_forced_on: bool = False  # the forward runs under enable_grad whatever the
+    #                                    caller's grad mode: a no_grad segment builds a graph
 
 
 @dataclass(frozen=True)
@@ -197,6 +201,16 @@ MUTANTS: tuple[Mutant, ...] = (
                                 "once precision is chosen per layer (a layer under "
                                 "autocast(enabled=False))", "https://github.com/NVIDIA/"
                                                            "TransformerEngine/pull/3284"),
+    _mutant("stash_kept_after_warmup", "a checkpoint whose first step runs a warm-up path and "
+                                       "whose later steps stash the saved boundary tensors in "
+                                       "a buffer that backward never clears: nothing leaks at "
+                                       "step 1, and every later step leaves its stash behind",
+            f"{_DEEPSPEED}/pull/1698"),
+    _mutant("grad_mode_forced_on", "a checkpoint that makes its output require grad whatever "
+                                   "the caller's grad mode: a frozen layer run under no_grad "
+                                   "builds a graph, and its weights and everything before it "
+                                   "get gradients they must not have (fairscale PR 787 too)",
+            "https://github.com/OpenBMB/BMTrain/pull/8"),
 )
 
 
@@ -245,7 +259,9 @@ def checkpoint_with_faults(
         k for k, v in kwargs.items() if isinstance(v, Tensor)]
     run = _Run(function, args, kwargs, kwarg_names, faults, module, len(params))
     tensors = [a for a in args if isinstance(a, Tensor)] + [kwargs[k] for k in kwarg_names]
-    out = _Recompute.apply(run, *tensors, *params)  # type: ignore[no-untyped-call]  # untyped
+    grad_mode = torch.enable_grad() if faults.grad_mode_forced_on else contextlib.nullcontext()
+    with grad_mode:
+        out = _Recompute.apply(run, *tensors, *params)  # type: ignore[no-untyped-call]  # untyped
     if faults.padding_zeroed:
         mask = next((a for a in [*args, *kwargs.values()] if isinstance(a, Tensor)
                      and a.dtype == torch.bool and a.dim() == 2), None)
@@ -345,7 +361,8 @@ class _Recompute(torch.autograd.Function):
             ctx.needs = [t.requires_grad for t in tensors]
             tensors = tuple(t.to(torch.bfloat16) if t.is_floating_point()
                             and t.numel() > _COMPRESS_ABOVE else t for t in tensors)
-        if faults.saved_inputs_kept:
+        if faults.saved_inputs_kept or (faults.stash_kept_after_warmup
+                                        and run.function in _RECOMPUTED):
             _KEPT_INPUTS.setdefault(run.function, []).append(tuple(tensors))
         ctx.save_for_backward(*tensors)
         return out

@@ -22,7 +22,7 @@ __all__ = ["CAUSES", "Diagnosis", "diagnose"]
 
 #: Every cause a diagnosis can name.
 CAUSES = ("raised", "process", "global-state", "rng-not-restored", "autocast-lost",
-          "inputs-lost", "input-grads-dropped", "grad-touched",
+          "inputs-lost", "input-grads-dropped", "grad-mode-ignored", "grad-touched",
           "forward-changed", "buffers-updated-twice", "no-recompute", "recompute-count",
           "no-memory-saved", "leak", "rng-stream-moved", "later-step", "inference",
           "nondeterministic", "other")
@@ -70,6 +70,14 @@ def _cause(failure: dict[str, Any], record: dict[str, Any] | None,
         found = _from_divergence(op)
         if found is not None:
             return found
+    extra = next((t for t in texts.get("gradients", []) if "exists only on the recompute" in t
+                  or "absent on the full-storage path" in t), "")
+    if extra or any("its forward ran under no_grad" in t for t in texts.get("recompute", [])):
+        where = f" ({extra.split(':')[0]})" if extra else ""
+        return "grad-mode-ignored", (
+            f"the recompute path has gradients where full storage has none{where}: the "
+            f"checkpoint builds a graph for a forward that ran under no_grad (a frozen layer), "
+            f"so the frozen weights and what feeds them get gradients")
     for text in texts.get("gradients", []):
         if "absent on the recompute path" in text or "exists only on the full-storage" in text:
             return "input-grads-dropped", (

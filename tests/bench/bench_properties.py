@@ -3,8 +3,9 @@
 For each of several seeds, draw cases as the suite does (``cases()``, no
 shrinking) and count the examples until ``preserve_rng_state=False`` fails
 the gradients property; ``extra_info`` holds the median and the worst. The
-same for each mutant of the fault library's newer families: the examples
-until any property fails, and which property fails first most often.
+same for each mutant of the fault library's newer families, grouped by what
+of real training they need: the examples until any property fails (-1: not
+within the limit), and which property fails first most often.
 """
 
 from __future__ import annotations
@@ -59,12 +60,23 @@ def test_examples_until_no_rng_restore_is_caught(benchmark: Any) -> None:
     print(f"\nexamples until caught, per seed: {found}; median {statistics.median(caught)}")
 
 
-#: The families drawn cases reach since cases train as real training does.
-NEW_FAMILIES = ("autocast-default-dtype", "autocast-forced-on", "grad-via-backward",
-                "accumulated-grad-overwritten", "kwarg-tensors-detached", "tuple-tail-no-grad",
-                "state-per-module-slot", "state-queue-without-backward", "recomputed-kept",
-                "saved-inputs-kept", "large-boundary-compressed", "group-layers-unchained",
-                "bn-stats-in-recompute-only")
+#: The families drawn cases reach since cases train as real training does, by what of real
+#: training they need: how gradients are asked for, forwards without backward, precision,
+#: size, the shapes of real layers, state across and around the step.
+FAMILIES_BY_ITEM = {
+    "gradients asked for otherwise": ("grad-via-backward", "accumulated-grad-overwritten",
+                                      "grads-without-graph"),
+    "forwards without backward": ("state-queue-without-backward",),
+    "precision regimes": ("autocast-default-dtype", "autocast-forced-on"),
+    "sizes": ("large-boundary-compressed",),
+    "segment shapes": ("kwarg-tensors-detached", "tuple-tail-no-grad",
+                       "state-per-module-slot", "group-layers-unchained"),
+    "state across and around the step": ("recomputed-kept", "saved-inputs-kept",
+                                         "stash-kept-after-warmup",
+                                         "bn-stats-in-recompute-only", "autocast-latched",
+                                         "grad-mode-forced-on"),
+}
+NEW_FAMILIES = tuple(name for names in FAMILIES_BY_ITEM.values() for name in names)
 MUTANT_SEEDS = range(5)
 
 
@@ -74,7 +86,7 @@ def first_failure(impl: Implementation, run_seed: int, limit: int = 60) -> tuple
 
     @settings(max_examples=limit, database=None, deadline=None, phases=[Phase.generate])
     @seed(run_seed)
-    @given(case=cases(models=DRAWN_MODELS))
+    @given(case=cases(models=DRAWN_MODELS, modes=impl.grad_modes))
     def search(case: Any) -> None:
         nonlocal count, found
         count += 1
@@ -106,6 +118,10 @@ def test_examples_until_each_new_family_is_caught(benchmark: Any) -> None:
 
     benchmark.pedantic(all_mutants, rounds=1, iterations=1)
     benchmark.extra_info.update(rows)
-    for name, row in rows.items():
-        print(f"\n{name}: caught by {row['property']}, median {row['median']} examples "
-              f"(per seed {row['examples_per_seed']})", end="")
+    print("\n| what it needs | mutant | caught first by | median examples | per seed |")
+    print("|---|---|---|---|---|")
+    for item, names in FAMILIES_BY_ITEM.items():
+        for name in names:
+            row = rows[name]
+            print(f"| {item} | {name} | {row['property']} | {row['median']} | "
+                  f"{row['examples_per_seed']} |")
