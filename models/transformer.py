@@ -8,7 +8,7 @@ RReLU noise), and the fused attention path draws its dropout inside SDPA.
 Segments are called the way real layers are: two tensors that require grad
 (the residual stream ``x`` and the embedding output ``x0``, which every layer
 mixes back in), a padding mask that does not, and keyword arguments
-(``causal``, ``residual_scale``) whose loss would change the result. Five
+(``causal``, ``residual_scale``) whose loss would change the result. Six
 knobs make segments look like other real layers, each off by default:
 
 * ``x0_keyword``: ``x0`` (and so the mask after it) goes by keyword,

@@ -267,7 +267,8 @@ def cases(
     gradients are asked for (among ``modes``; a gradient penalty with the manual attention
     path, as SDPA's fused kernels have no double backward), and whether an eval and a
     no_grad forward come before training. Under autocast the last layer may run with
-    autocast disabled (``fp32_last_layer``).
+    autocast disabled (``fp32_last_layer``); with two layers or more, outside layer groups,
+    the first may run under ``no_grad`` (``frozen_first_layer``), drawn last.
 
     ``models`` picks the reference models drawn from (``MODELS``); the
     default leaves out the BatchNorm model, whose running statistics torch's
