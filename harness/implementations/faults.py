@@ -118,31 +118,48 @@ MUTANTS: tuple[Mutant, ...] = (
     _mutant("no_rng_restore", "checkpoint with preserve_rng_state=False around dropout",
             "https://github.com/allenai/OLMo-core/pull/828"),
     _mutant("rng_lost_on_first_call", "RNG state saved lazily on first use, so each "
-                                      "segment's first recompute draws fresh masks"),
+                                      "segment's first recompute draws fresh masks (a "
+                                      "device generator not yet seen as initialised)",
+            "https://github.com/MooreThreads/torch_musa/issues/150"),
     _mutant("rng_captured_late", "RNG state captured after the segment ran, as in code that "
-                                 "saves state lazily on first backward"),
-    _mutant("reseeded", "recompute calls manual_seed(fixed) instead of restoring the state"),
+                                 "saves state lazily on first backward: the forward and its "
+                                 "re-run start from other states",
+            "https://github.com/pytorch/xla/pull/4690"),
+    _mutant("reseeded", "recompute calls manual_seed(fixed) instead of restoring the state "
+                        "(a recomputed dropout given a seed of its own, not the forward's)",
+            "https://github.com/microsoft/onnxruntime/pull/19715"),
     _mutant("caller_stream_moved", "set_rng_state for the recompute without fork_rng: the "
-                                   "caller's stream is left where the recompute put it"),
+                                   "caller's stream is left where the recompute put it",
+            f"{_PT}/pull/14253"),
     _mutant("caller_stream_moved_once", "the caller's stream moved by a segment's first "
-                                        "recompute only (a warm-up path without fork_rng)"),
+                                        "recompute only (a warm-up path without fork_rng)",
+            f"{_PT}/pull/14253"),
     _mutant("cuda_rng_not_restored", "only torch.get_rng_state() saved; the device generator "
                                      "that feeds dropout is not restored",
             f"{_PT}/pull/194478", cuda_only=True),
     _mutant("dropout_off", "recompute under model.eval() or with dropout disabled"),
     _mutant("autocast_lost", "recompute outside the forward's autocast region (Megatron's "
                              "CheckpointFunction outside fp8_autocast)", f"{_MEGATRON}/pull/7538"),
-    _mutant("kwargs_dropped", "keyword arguments not forwarded to the recompute"),
-    _mutant("input_grads_dropped", "backward returns None for all inputs but the first"),
-    _mutant("inputs_detached", "inputs detached before the segment: no gradient flows back"),
+    _mutant("kwargs_dropped", "keyword arguments not forwarded to the recompute (an "
+                              "attention mask ignored under checkpointing)",
+            "https://github.com/lightly-ai/lightly/issues/2049"),
+    _mutant("input_grads_dropped", "backward returns None for all inputs but the first",
+            "https://github.com/ooples/AiDotNet.Tensors/pull/643"),
+    _mutant("inputs_detached", "inputs detached before the segment: no gradient flows back, "
+                               "the layers before it never train", f"{_PT}/issues/42812"),
     _mutant("stale_recompute", "recompute reuses the boundary saved on the first step"),
-    _mutant("no_op", "a 'checkpoint' that just calls the function: no memory saved"),
+    _mutant("no_op", "a 'checkpoint' that just calls the function: no memory saved "
+                     "(checkpointing switched on and never applied)",
+            "https://github.com/verl-project/verl/issues/26"),
     _mutant("padding_zeroed", "an unpadding fast path that returns zeros at padded positions: "
-                              "outputs differ only where the loss does not look"),
+                              "outputs differ only where the loss does not look",
+            "https://github.com/huggingface/transformers/issues/27050"),
     _mutant("gradient_skew", "a small systematic error in the recomputed gradient"),
     _mutant("buffers_updated_twice", "BatchNorm running statistics updated by the recompute",
             f"{_PT}/issues/96136"),
-    _mutant("crash_in_backward", "backward raises (freed buffer, shape bug)"),
+    _mutant("crash_in_backward", "backward raises (freed buffer, shape bug: 'backward "
+                                 "through the graph a second time')",
+            "https://github.com/unslothai/unsloth/issues/3592"),
     _mutant("autocast_default_dtype", "the recompute re-enters autocast with only `enabled` "
                                       "(fairscale #1199 too): fp16 autocast on the CPU, whose "
                                       "default is bf16, recomputes in bf16",
