@@ -164,7 +164,7 @@ WHY: dict[tuple[str, str], str] = {
     ("torch-sac", "policy=all, no dropout"): (
         "By design, not a library fault: saving every op's output keeps more than autograd "
         "itself would (outputs no backward formula needs), so more bytes are held than on the "
-        "full-storage path and the recompute property fails on memory."),
+        "full-storage path; the recompute property reports it for a selective policy."),
     ("torch-sac", "policy=all, dropout"): (
         "torch/utils/checkpoint.py, selective checkpoint's cache: CPU dropout decomposes into "
         "`empty_like` then an in-place `bernoulli_`; a policy that saves `empty_like`'s "

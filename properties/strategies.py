@@ -312,9 +312,7 @@ def cases(
     if model.n_layer > 1 and not isinstance(granularity, LayerGroups):
         # The first layer under no_grad (frozen) while the rest trains: grad mode differs
         # between the segments of one forward. Not inside a group, where the frozen layer
-        # is no segment of its own, and where torch's selective checkpoint caches the ops
-        # it runs under no_grad too (more bytes held than with full storage: a memory cost
-        # of SAC, not a wrong gradient).
+        # is no segment of its own and the group's grad mode does not change.
         model = replace(model, frozen_first_layer=draw(st.booleans()))
     return Case(
         model=model,

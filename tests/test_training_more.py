@@ -468,3 +468,24 @@ def test_a_recompute_that_stops_freeing_after_the_first_step_is_caught_at_that_s
     assert result.failures == ["step 2: activation bytes held between forward and backward: "
                                "100 on the recompute path, 100 on the full-storage path; "
                                "nothing was freed"]
+
+
+def test_a_selective_policy_s_bytes_are_reported_not_failed() -> None:
+    """torch's SAC with matmul outputs saved keeps an attention-only segment's costly ops
+    (SDPA, both projections): more bytes than full storage, by its policy's choice. Marked
+    selective, it is reported; the same checkpoint unmarked fails on memory."""
+    from gradequiv.harness.implementations.torch_builtins import torch_sac
+
+    case = Case(model=replace(SMALL, n_layer=1, attn_dropout=0.0, resid_dropout=0.0,
+                              mlp_dropout=0.0), batch=BATCH,
+                granularity=parse_granularity("attention"))
+    marked = verify(resolve("torch-sac"), case)
+    assert marked.held_bytes["recompute"] >= marked.held_bytes["full"]
+    reported = _property(marked, "recompute")
+    assert reported.passed is True and "selective policy held" in reported.summary
+
+    def unmarked(function: Any, *args: Any, **kwargs: Any) -> Any:
+        return torch_sac(function, *args, **kwargs)
+
+    failed = _property(verify(Implementation("sac-unmarked", unmarked), case), "recompute")
+    assert failed.passed is False and "nothing was freed" in failed.failures[0]

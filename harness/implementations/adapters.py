@@ -18,7 +18,7 @@ from torch import nn
 
 from gradequiv.harness import validate
 from gradequiv.harness.errors import InvalidArgument
-from gradequiv.harness.implementations.torch_builtins import OFFLOAD
+from gradequiv.harness.implementations.torch_builtins import OFFLOAD, SELECTIVE
 from gradequiv.harness.options import ADAPTERS
 from gradequiv.models import Segment
 from gradequiv.models.kinds import GRAD_MODES, OPT_IN_GRAD_MODES
@@ -45,6 +45,12 @@ class Implementation:
         """Whether it keeps activations in host memory instead of recomputing them
         (``gradequiv_strategy = "offload"`` on the target)."""
         return getattr(self.target, "gradequiv_strategy", "recompute") == OFFLOAD
+
+    @property
+    def selective(self) -> bool:
+        """Whether it saves some ops' outputs by policy and recomputes the rest
+        (``gradequiv_strategy = "selective"``: torch's selective checkpoint)."""
+        return getattr(self.target, "gradequiv_strategy", "recompute") == SELECTIVE
 
     @property
     def grad_modes(self) -> tuple[str, ...]:

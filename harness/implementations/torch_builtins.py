@@ -19,6 +19,11 @@ from gradequiv.harness.errors import InvalidArgument
 #: ``gradequiv_strategy`` of a target that keeps activations in host memory instead of
 #: recomputing them (torch's offloads below; users mark their own the same way).
 OFFLOAD = "offload"
+#: ``gradequiv_strategy`` of a target that saves some ops' outputs by policy and recomputes
+#: the rest (selective checkpoint): where its policy keeps an output full storage would not
+#: (a matmul's, whose backward needs only its input), it may hold more bytes than full
+#: storage and still recompute (users mark their own the same way).
+SELECTIVE = "selective"
 
 
 def _double_backward(target: Callable[..., Any]) -> Callable[..., Any]:
@@ -132,7 +137,9 @@ def torch_sac(function: Callable[..., Any], *args: Any, policy: str = "matmuls",
     ``policy`` (``--impl-kwarg policy=...``): ``matmuls`` saves the outputs of
     matmul-like ops and recomputes the rest (the usual SAC set-up), ``none``
     recomputes everything (plain checkpoint), ``all`` saves every op (no
-    memory saved: the ``recompute`` property should fail).
+    memory saved). Marked ``selective``: what it holds is its policy's choice, so
+    the ``recompute`` property reports its bytes against full storage's instead of
+    failing on them.
     """
     from torch.utils.checkpoint import checkpoint, create_selective_checkpoint_contexts
 
@@ -140,6 +147,9 @@ def torch_sac(function: Callable[..., Any], *args: Any, policy: str = "matmuls",
     kwargs.setdefault("use_reentrant", False)
     context_fn = functools.partial(create_selective_checkpoint_contexts, chosen)
     return checkpoint(function, *args, context_fn=context_fn, **kwargs)
+
+
+torch_sac.gradequiv_strategy = SELECTIVE  # type: ignore[attr-defined]
 
 
 # -- torch: checkpoint_wrapper ------------------------------------------------------------
