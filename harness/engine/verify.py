@@ -415,8 +415,9 @@ def _check_recompute(case: Case, full: PathRun, rc: PathRun, result: PropertyRes
     # A gradient penalty backpropagates twice (create_graph, then through that graph): each
     # pass may recompute each forward once; one recompute kept for both is right too.
     passes = 2 if case.grad_mode == "create-graph" else 1
+    # calls[module][2]: forwards with grad on, on the full path the ones backward must re-run.
     if compiled is None and full.steps and full.steps[0].calls and not any(
-            _to_recompute(counts) for counts in full.steps[0].calls.values()):
+            counts[2] for counts in full.steps[0].calls.values()):
         result.passed = None
         result.summary = ("every selected segment ran under no_grad: nothing was saved for "
                           "backward, so there was nothing to recompute")
@@ -424,50 +425,41 @@ def _check_recompute(case: Case, full: PathRun, rc: PathRun, result: PropertyRes
     for k, (step_rc, step_full) in enumerate(zip(rc.steps, full.steps), start=1):
         for module, counts in step_rc.calls.items():
             fwd, bwd = counts[0], counts[1]
-            full_counts = step_full.calls.get(module, [0, 0])
-            full_fwd, to_recompute = full_counts[0], _to_recompute(full_counts)
+            full_fwd, _, to_recompute = step_full.calls.get(module, [0, 0, 0])
             read_bwd = step_rc.uses.get(module, [0, 0])[1]
             if fwd != full_fwd:
                 result.failures.append(
                     f"step {k}: {module} ran {fwd} time(s) in forward on the recompute path and "
                     f"{full_fwd} on the full-storage path"
                 )
-            if to_recompute < full_fwd:  # some forwards ran under no_grad: none to re-run
-                full_fwd = to_recompute
-                if to_recompute == 0:
-                    if bwd > 0:
-                        result.failures.append(
-                            f"step {k}: {module} ran {bwd} time(s) in backward, but its "
-                            f"forward ran under no_grad: nothing of it was to recompute")
-                    continue
+            if to_recompute == 0:  # its forwards all ran under no_grad: nothing to re-run
+                if bwd > 0:
+                    result.failures.append(
+                        f"step {k}: {module} ran {bwd} time(s) in backward, but its "
+                        f"forward ran under no_grad: nothing of it was to recompute")
+                continue
             if bwd == 0 and read_bwd == 0:
                 result.failures.append(
                     f"step {k}: {module} did not run again in backward (no forward call, no op "
-                    f"on its parameters with grad on), {full_fwd} forward(s) to recompute; "
+                    f"on its parameters with grad on), {to_recompute} forward(s) to recompute; "
                     f"nothing was recomputed"
                 )
-            elif bwd > full_fwd * passes:
+            elif bwd > to_recompute * passes:
                 # Hooks only: op counts are no measure of how often (autocast caches a
                 # weight's cast in forward, not in a recompute; torch's early stop re-runs
                 # fewer ops), only of whether the segment re-ran at all.
                 per = " per backward pass" if passes > 1 else ""
                 result.failures.append(
-                    f"step {k}: {module} ran {bwd} time(s) in backward and {full_fwd} in "
+                    f"step {k}: {module} ran {bwd} time(s) in backward and {to_recompute} in "
                     f"forward; a recompute re-runs each forward once{per}, not more"
                 )
-            elif 0 < bwd < full_fwd:
+            elif 0 < bwd < to_recompute:
                 result.failures.append(
-                    f"step {k}: {module} ran {bwd} time(s) in backward and {full_fwd} in "
+                    f"step {k}: {module} ran {bwd} time(s) in backward and {to_recompute} in "
                     f"forward; each of its forwards must be recomputed once"
                 )
     _check_leaks(full, rc, result)
     _check_freed(full, rc, result, selective=selective)
-
-
-def _to_recompute(counts: list[int]) -> int:
-    """How many of a module's forwards on the full-storage path backward must recompute: those
-    run with grad on (older records count every forward)."""
-    return counts[2] if len(counts) > 2 else counts[0]
 
 
 def _check_freed(full: PathRun, rc: PathRun, result: PropertyResult, *,
@@ -483,8 +475,6 @@ def _check_freed(full: PathRun, rc: PathRun, result: PropertyResult, *,
     re-ran); torch's selective checkpoint with matmul outputs saved holds more than full
     storage on attention-only segments, whose costly ops it all keeps."""
     held = [(s_rc.held_bytes, s_full.held_bytes) for s_rc, s_full in zip(rc.steps, full.steps)]
-    if not held or held[0] == (None, None):  # observed by the step record, or by the run only
-        held = [(rc.held_bytes, full.held_bytes)]
     for k, (held_rc, held_full) in enumerate(held, start=1):
         if held_rc is not None and held_full is not None and held_rc >= held_full:
             at = f"step {k}: " if k > 1 else ""
