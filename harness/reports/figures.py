@@ -103,6 +103,7 @@ _LABEL_GAPS_PX = (3.0, 9.0, 18.0, 30.0, 46.0)  # label to marker, nearest first
 _LABEL_SIDES = ((1, 1), (-1, -1), (1, -1), (-1, 1), (1, 0), (-1, 0), (0, 1), (0, -1))
 _MARKER_PT = 6.0  # marker diameter
 Box = tuple[float, float, float, float]  # x0, y0, x1, y1 in display pixels
+Point = tuple[float, float]  # x, y in display pixels
 
 
 def frontier_title(profile: dict[str, Any]) -> str:
@@ -180,8 +181,12 @@ def _place_labels(ax: Any, points: list[tuple[float, float]], names: list[str],
                   avoid: list[Box],
                   frontier: list[tuple[float, float]]) -> bool:
     """Greedy, in row order: each label takes the first side and gap (nearest first) whose
-    box is inside the axes and clear of markers, the legend and the labels placed so far,
-    preferring one the frontier line does not cross. False if some label found no room."""
+    box is inside the axes and clear of markers, the legend, the labels and leader lines
+    placed so far, preferring one the frontier line does not cross. A label with no leader
+    line must sit clearly nearer its own marker than any other (:func:`_unmistakable`); one
+    with a leader line needs a line that passes no other marker, label or line (:func:`_leader`),
+    so no label can be read as another point's. Points closer than a marker's radius share
+    one label ("a / b"). False if some label found no room."""
     fig = ax.figure
     renderer = fig.canvas.get_renderer()
     pad, space = 2.0, 6.0  # about a space between labels side by side, so none read as one
@@ -194,28 +199,109 @@ def _place_labels(ax: Any, points: list[tuple[float, float]], names: list[str],
     taken += list(avoid)
     line = [tuple(ax.transData.transform(p)) for p in frontier]
     segments = list(zip(line, line[1:]))
+    leaders: list[tuple[Point, Point]] = []
     fits = True
-    for (x, y), (px, py), name in zip(points, anchors, names):
+    for members in _same_spots(anchors, radius):
+        (x, y), (px, py) = points[members[0]], anchors[members[0]]
+        name = " / ".join(names[i] for i in members)
+        others = [a for i, a in enumerate(anchors) if i not in members]
         probe = ax.annotate(name, (x, y), xytext=(0, 0), textcoords="offset points",
                             fontsize=8, ha="left", va="bottom")
         box = probe.get_window_extent(renderer)
         probe.remove()
         every = _label_spots(px, py, box.width, box.height, radius)
-        spots = [(gap, spot) for gap, spot in every
-                 if _inside(spot, area) and not any(_overlap(spot, t) for t in taken)]
+        free = [(gap, spot) for gap, spot in every
+                if _inside(spot, area) and not any(_overlap(spot, t) for t in taken)
+                and not any(_crosses(a, b, spot) for a, b in leaders)]
+        spots = []
+        for gap, spot in free:
+            if gap <= _LABEL_GAPS_PX[1]:
+                good = _unmistakable(spot, (px, py), others)
+            else:
+                good = _leader(spot, (px, py), radius, others, taken[len(anchors):], leaders)
+            if good:
+                spots.append((gap, spot))
         # off the line if that keeps the label close (no leader); else the nearest free spot
         clear = [(gap, spot) for gap, spot in spots if gap <= _LABEL_GAPS_PX[1]
                  and not any(_crosses(a, b, spot) for a, b in segments)]
         fits = fits and bool(spots)
-        gap, spot = (clear or spots or every)[0]
+        gap, spot = (clear or spots or free or every)[0]
         scale = 72 / fig.dpi  # pixels to points
         offset = ((spot[0] - box.x0) * scale, (spot[1] - box.y0) * scale)
         leader = (dict(arrowstyle="-", color="0.55", linewidth=0.6, shrinkA=0,
                        shrinkB=_MARKER_PT / 2 + 1) if gap > _LABEL_GAPS_PX[1] else None)
         ax.annotate(name, (x, y), xytext=offset, textcoords="offset points", fontsize=8,
                     ha="left", va="bottom", arrowprops=leader, annotation_clip=False)
+        if leader is not None:
+            leaders.append(_leader_line(spot, (px, py), radius))
         taken.append((spot[0] - space, spot[1] - pad, spot[2] + space, spot[3] + pad))
     return fits
+
+
+_SAME_SPOT = 0.5  # of the marker's radius: points closer than this share a label
+_NEARER = 2.0  # a label with no leader is this many times nearer its marker than any other
+
+
+def _same_spots(anchors: list[Point], radius: float) -> list[list[int]]:
+    """Indices of the points, grouped where markers lie on one spot, in row order."""
+    groups: list[list[int]] = []
+    for i, (x, y) in enumerate(anchors):
+        home = next((g for g in groups if math.dist(anchors[g[0]], (x, y)) < _SAME_SPOT * radius),
+                    None)
+        if home is None:
+            groups.append([i])
+        else:
+            home.append(i)
+    return groups
+
+
+def _box_distance(box: Box, point: Point) -> float:
+    dx = max(box[0] - point[0], 0.0, point[0] - box[2])
+    dy = max(box[1] - point[1], 0.0, point[1] - box[3])
+    return math.hypot(dx, dy)
+
+
+def _unmistakable(box: Box, own: Point, others: list[Point]) -> bool:
+    """Whether a label at ``box`` with no leader line is clearly its own marker's: every
+    other marker at least ``_NEARER`` times as far from it."""
+    near = _box_distance(box, own)
+    return all(_box_distance(box, p) >= _NEARER * near for p in others)
+
+
+def _leader_line(box: Box, own: Point, radius: float) -> tuple[Point, Point]:
+    """The leader as drawn: from the label's centre to the rim of its marker, 1 px out."""
+    cx, cy = (box[0] + box[2]) / 2, (box[1] + box[3]) / 2
+    length = math.dist((cx, cy), own) or 1.0
+    back = (radius + 1) / length
+    return (cx, cy), (own[0] + (cx - own[0]) * back, own[1] + (cy - own[1]) * back)
+
+
+def _leader(box: Box, own: Point, radius: float, others: list[Point], labels: list[Box],
+            lines: list[tuple[Point, Point]]) -> bool:
+    """Whether a leader line from ``box`` to its marker would be read as that marker's
+    only: it passes no other marker (nor within a pixel of one), crosses no label placed
+    so far and no other leader line."""
+    a, b = _leader_line(box, own, radius)
+    return (all(_segment_distance(a, b, p) > radius + 1 for p in others)
+            and not any(_crosses(a, b, t) for t in labels)
+            and not any(_segments_cross(a, b, c, d) for c, d in lines))
+
+
+def _segment_distance(a: Point, b: Point, p: Point) -> float:
+    (ax_, ay), (bx, by) = a, b
+    length2 = (bx - ax_) ** 2 + (by - ay) ** 2
+    t = 0.0 if not length2 else max(0.0, min(1.0, ((p[0] - ax_) * (bx - ax_)
+                                                   + (p[1] - ay) * (by - ay)) / length2))
+    return math.dist(p, (ax_ + t * (bx - ax_), ay + t * (by - ay)))
+
+
+def _segments_cross(a: Point, b: Point, c: Point, d: Point) -> bool:
+    """Whether segments a-b and c-d cross (touching ends count)."""
+    def side(p: Point, q: Point, r: Point) -> float:
+        return (q[0] - p[0]) * (r[1] - p[1]) - (q[1] - p[1]) * (r[0] - p[0])
+
+    d1, d2, d3, d4 = side(c, d, a), side(c, d, b), side(a, b, c), side(a, b, d)
+    return d1 * d2 <= 0 and d3 * d4 <= 0 and not (d1 == d2 == 0)
 
 
 def _label_spots(px: float, py: float, width: float, height: float,
