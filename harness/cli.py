@@ -28,7 +28,6 @@ from gradequiv.harness.implementations.resolve import BUILTINS
 from gradequiv.harness.options import ADAPTERS, DEVICES, PROFILES, CheckOptions, check_options
 from gradequiv.harness.reports.files import RENDERED
 
-_DEFAULT_GRANULARITIES = ("none", "layer", "every:2", "group:2", "attention", "mlp")
 #: seconds without progress (no case finished or started) after which a check run fails
 CASE_TIMEOUT_S = 600
 
@@ -130,8 +129,17 @@ def build_parser() -> argparse.ArgumentParser:
     prof = commands.add_parser(
         "profile", help="activation memory and step time per granularity, and the frontier")
     _implementation_options(prof)
-    prof.add_argument("--granularity", default=",".join(_DEFAULT_GRANULARITIES),
-                      metavar="LIST", help="comma-separated (default: %(default)s)")
+    prof.add_argument("--granularity", default=None, metavar="LIST", help=(
+        "comma-separated (default: none,layer,every:2,group:2,attention,mlp; with --model: "
+        "none,layer,every:2, and its segments by name joined by '+', e.g. blocks.0+blocks.2)"))
+    prof.add_argument("--model", default=None, metavar="SPEC",
+                      help="profile your own model: package.module:attr, the factory check "
+                           "--model takes (then --layers, --width, --heads, --seq-len, "
+                           "--batch and --dropout do not apply: the factory decides)")
+    prof.add_argument("--memory-budget", default=None, metavar="BYTES",
+                      help="activation bytes a step may hold at its peak (e.g. 512MiB): "
+                           "recommend the fastest granularity that fits, and the largest "
+                           "batch each one could run within it")
     prof.add_argument("--layers", type=_count("--layers"), default=4)
     prof.add_argument("--width", type=_count("--width"), default=128)
     prof.add_argument("--heads", type=_count("--heads"), default=4)
@@ -143,7 +151,8 @@ def build_parser() -> argparse.ArgumentParser:
                       default="fp32")
     prof.add_argument("--steps", type=_count("--steps"), default=20,
                       help="timed steps per granularity")
-    prof.add_argument("--warmup", type=_count("--warmup"), default=3)
+    prof.add_argument("--warmup", type=_seconds("--warmup"), default=3,
+                      help="untimed steps per granularity first (default 3; 0: none)")
     prof.add_argument("--device", choices=DEVICES, default="auto")
     prof.add_argument("--report-dir", type=Path, default=None, metavar="DIR",
                       help="write DIR/profile.json, profile.md and profile.png")

@@ -28,8 +28,11 @@ __all__ = [
     "PROFILES",
     "PROFILE_EXAMPLES",
     "CheckOptions",
+    "PROFILE_GRANULARITIES",
+    "ProfileOptions",
     "SuiteRun",
     "check_options",
+    "profile_options",
 ]
 
 #: Examples per property test in each search profile.
@@ -169,3 +172,39 @@ class SuiteRun:
     implementation: Any = None
     #: watches the run from outside (``properties.runtime.RunObserver``), or None
     observer: Any = None
+
+
+#: ``profile``'s granularities when none are given: the transformer's, and a user's model's
+#: (its own segments: all, every second, none).
+PROFILE_GRANULARITIES = ("none", "layer", "every:2", "group:2", "attention", "mlp")
+PROFILE_MODEL_GRANULARITIES = ("none", "layer", "every:2")
+
+
+@dataclass(frozen=True)
+class ProfileOptions:
+    """What ``profile`` was asked beyond the model's shape; built by :func:`profile_options`."""
+
+    granularity: tuple[str, ...]  # items as written: parsed against the model once it is built
+    memory_budget: int | None = None  # activation bytes a step may hold at its peak
+    model: str | None = None  # a user's model factory (package.module:attr)
+
+
+def profile_options(*, flag: Callable[[str], str] = _flag, granularity: str | None = None,
+                    memory_budget: Any = None, model: str | None = None) -> ProfileOptions:
+    """Validate ``profile``'s options (raises :class:`InvalidArgument`)."""
+    items: tuple[str, ...]
+    if granularity is None:
+        items = PROFILE_MODEL_GRANULARITIES if model is not None else PROFILE_GRANULARITIES
+    else:
+        items = tuple(t.strip() for t in granularity.split(",") if t.strip())
+        if not items:
+            raise InvalidArgument(f"{flag('granularity')}={granularity!r} names none; "
+                                  f"write e.g. none,layer,every:2")
+    if model is not None and not str(model).strip():
+        raise InvalidArgument(f"{flag('model')}={model!r} is empty; name a factory as "
+                              f"package.module:attr")
+    return ProfileOptions(
+        granularity=items,
+        memory_budget=None if memory_budget in (None, "") else validate.byte_count(
+            flag("memory_budget"), memory_budget),
+        model=model)

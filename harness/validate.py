@@ -19,6 +19,7 @@ __all__ = [
     "as_argparse_type",
     "bound",
     "boolean",
+    "byte_count",
     "choice",
     "impl_kwargs",
     "seed",
@@ -63,6 +64,28 @@ def bound(name: str, value: Any) -> float:
     if not (number >= 0 and math.isfinite(number)):
         raise InvalidArgument(f"{name}={number}: must be a finite number >= 0")
     return number
+
+
+_BYTE_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
+               "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
+
+
+def byte_count(name: str, value: Any) -> int:
+    """A positive number of bytes: ``1500000``, ``512MiB``, ``1.5GB`` (powers of 1024 for
+    KiB/MiB/GiB/TiB, of 1000 for kB/MB/GB/TB)."""
+    text = str(value).strip().replace("_", "")
+    digits = text.rstrip("".join({*"kmgtibKMGTIB"}))
+    unit = text[len(digits):].strip().lower()
+    try:
+        number = float(digits) * _BYTE_UNITS[unit]
+    except (ValueError, KeyError):
+        raise InvalidArgument(f"{name}={value!r} is not a byte count (a number, optionally "
+                              f"with kB, MB, GB, KiB, MiB or GiB); write e.g. {name} 512MiB") \
+            from None
+    if not (math.isfinite(number) and number >= 1):
+        raise InvalidArgument(f"{name}={value!r}: must be at least 1 byte; write e.g. "
+                              f"{name} 512MiB")
+    return int(number)
 
 
 def shard(name: str, value: Any) -> tuple[int, int]:

@@ -338,3 +338,113 @@ def _segments_cross(a: Any, b: Any, c: Any, d: Any) -> bool:
         return float((q[0] - p[0]) * (r[1] - p[1]) - (q[1] - p[1]) * (r[0] - p[0]))
 
     return side(c, d, a) * side(c, d, b) < 0 and side(a, b, c) * side(a, b, d) < 0
+
+
+@pytest.mark.parametrize("factory, segments", [
+    ("tests.user_models:residual_stack", ["blocks.0", "blocks.1", "blocks.2"]),
+    ("tests.profile_models:conv_net", ["blocks.0", "blocks.1", "blocks.2", "blocks.3"]),
+])
+def test_profile_model_writes_the_table_frontier_recommendation_and_png(
+        factory: str, segments: list[str], tmp_path: Path,
+        capsys: pytest.CaptureFixture[str]) -> None:
+    named = f"{segments[0]}+{segments[2]}"
+    code = main(["profile", "--impl", "torch", "--model", factory, "--device", "cpu",
+                 "--steps", "1", "--warmup", "0", "--granularity", f"none,layer,{named}",
+                 "--report-dir", str(tmp_path)])
+    out = capsys.readouterr().out
+    assert code == 0, out
+    data = json.loads((tmp_path / "profile.json").read_text())
+    rows = {r["granularity"]: r for r in data["rows"]}
+    assert list(rows) == ["none", "layer", named]
+    assert data["conditions"]["unit"] == "samples" and data["conditions"]["batch"] == 8
+    # every segment recomputed holds less than two of them, which holds less than none
+    assert rows["layer"]["held_bytes"] < rows[named]["held_bytes"] < rows["none"]["held_bytes"]
+    assert rows["layer"]["on_frontier"]  # the least memory is on it, whatever the timings
+    assert data["recommendation"]["knee"] in rows
+    assert "| samples/s | frontier |" in out
+    assert f"**Recommended: {data['recommendation']['knee']}**" in out
+    md = (tmp_path / "profile.md").read_text()
+    assert "**Recommended:" in md and "samples/s" in md
+    pytest.importorskip("matplotlib")
+    assert (tmp_path / "profile.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def _row(name: str, ms: float, held: int, peak: int | None = None,
+         on: bool = True) -> profiling.GranularityProfile:
+    return profiling.GranularityProfile(
+        granularity=name, held_bytes=held, peak_backward_bytes=held if peak is None else peak,
+        step_s={"p50": ms / 1e3}, forward_s=0.0, backward_s=0.0, tokens_per_s=1e3 / ms,
+        on_frontier=on)
+
+
+MIB = 2**20
+
+
+def test_the_knee_is_the_last_point_before_a_step_costs_clearly_more_per_byte() -> None:
+    rows = [_row("none", 10, 16 * MIB), _row("every:2", 14, 8 * MIB),  # 0.5 ms per MiB
+            _row("mlp", 18, 10 * MIB, on=False), _row("layer", 40, 4 * MIB)]  # 6.5 ms per MiB
+    rec = profiling.recommend(rows, batch=4)
+    assert rec["knee"] == "every:2"
+    assert "0.50 ms per MiB" in rec["why"] and "6.50 ms per MiB" in rec["why"]
+    assert "layer" in rec["why"] and rec["memory_budget"] is None and "fits" not in rec
+    # the same step at under twice the cost: the knee moves on to the least memory
+    rows[3] = _row("layer", 18, 4 * MIB)  # 1.0 ms per MiB
+    assert profiling.recommend(rows, batch=4)["knee"] == "layer"
+
+
+@pytest.mark.parametrize("budget, fits, fastest", [
+    (20 * MIB, ["none", "every:2", "layer"], "none"),  # all fit
+    (9 * MIB, ["every:2", "layer"], "every:2"),  # some: none's 16 MiB is over
+    (3 * MIB, [], None),  # none does
+])
+def test_a_memory_budget_picks_the_fastest_granularity_whose_peak_fits(
+        budget: int, fits: list[str], fastest: str | None) -> None:
+    rows = [_row("none", 10, 16 * MIB), _row("every:2", 14, 8 * MIB, peak=9 * MIB),
+            _row("layer", 40, 4 * MIB, peak=6 * MIB)]  # fits by its peak, not its held bytes
+    rec = profiling.recommend(rows, batch=4, memory_budget=budget)
+    assert rec["fits"] == fits and rec["fastest_fitting"] == fastest
+    largest = {x["granularity"]: x["largest_batch"] for x in rec["largest_batch"]}
+    assert largest == {"none": budget // (4 * MIB), "every:2": budget * 4 // (9 * MIB),
+                       "layer": budget * 4 // (6 * MIB)}
+    if fastest is None:
+        assert rec["verdict"].startswith(f"nothing fits {budget:,} bytes at batch 4: the "
+                                         f"smallest peak is layer's {6 * MIB:,} bytes")
+    elif fastest == "none":
+        assert "recompute is not needed at batch 4" in rec["verdict"]
+        assert f"layer fits batch {largest['layer']} where none fits {largest['none']}" \
+            in rec["verdict"]
+    else:
+        assert rec["verdict"].startswith("every:2 is the fastest granularity that fits")
+
+
+def test_the_command_prints_the_budget_verdict_and_writes_it(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    code = main([*TINY, "--memory-budget", "1KiB", "--report-dir", str(tmp_path)])
+    out = capsys.readouterr().out
+    assert code == 0 and "**Memory budget 1,024 bytes**" in out and "nothing fits" in out
+    data = json.loads((tmp_path / "profile.json").read_text())
+    assert data["recommendation"]["memory_budget"] == 1024
+    assert data["recommendation"]["fastest_fitting"] is None
+    assert "nothing fits" in (tmp_path / "profile.md").read_text()
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--memory-budget", "lots"], "--memory-budget='lots' is not a byte count"),
+    (["--memory-budget", "0"], "--memory-budget='0': must be at least 1 byte"),
+    (["--memory-budget=-5MiB"], "--memory-budget='-5MiB': must be at least 1 byte"),
+    (["--memory-budget", "3 parsecs"], "write e.g. --memory-budget 512MiB"),
+    (["--model", "tests.user_models:residual_stack", "--granularity", "none,blocks.7"],
+     "'blocks.7' is not a segment of the model; its segments are blocks.0, blocks.1, "
+     "blocks.2"),
+    (["--model", "tests.user_models:residual_stack", "--granularity", "blocks.0+head"],
+     "'head' is not a segment of the model"),
+    (["--model", "tests.user_models:residual_stack", "--granularity", "group:2"],
+     "only none, layer, every:K or segment names apply"),
+    (["--model", "tests.user_models:wrong_segment"], "segment 'blocks.9' is not a submodule"),
+    (["--model", "tests.user_models"], "is not 'package.module:attr'"),
+])
+def test_bad_budgets_and_segment_names_are_exit_2_in_one_line(
+        args: list[str], message: str, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["profile", "--impl", "torch", "--steps", "1", "--warmup", "0", *args]) == 2
+    err = capsys.readouterr().err
+    assert message in err and err.count("\n") == 1, err

@@ -7,6 +7,12 @@ noise falls on all of them alike; times are reported as p50/p95/p99 with
 the run conditions. Memory is the activation bytes alive between forward and
 backward (the implementation-agnostic count of ``memory.py``), and the peak
 during backward, when recomputed activations are alive for a moment.
+
+A user's model (``--model``) is profiled the same way; its granularities are its
+own segments: every one (``layer``), every k-th (``every:K``) or any set of them
+by name (``blocks.0+blocks.2``). The recommendation reads the frontier
+(:func:`recommend`): its knee, and with a memory budget the fastest granularity
+that fits and the largest batch each one could run within it.
 """
 
 from __future__ import annotations
@@ -23,10 +29,51 @@ from torch import nn
 
 from gradequiv.harness.engine.case import Case
 from gradequiv.harness.engine.memory import ActivationCounter, AllocatorWatch, BackwardPeak
-from gradequiv.harness.engine.path import prepare
+from gradequiv.harness.engine.path import build_path
 from gradequiv.harness.errors import InvalidArgument
 from gradequiv.harness.implementations.adapters import Implementation
-from gradequiv.models import Granularity
+from gradequiv.models import EveryLayer, ExternalConfig, Granularity, parse_granularity
+from gradequiv.models.granularity import SINGLE_LAYERS
+
+
+@dataclass(frozen=True)
+class NamedSegments:
+    """Recompute exactly these segments of a user's model, by their dotted names."""
+
+    names: tuple[str, ...]
+
+    def __str__(self) -> str:
+        return "+".join(self.names)
+
+
+#: What one profile row recomputes: a granularity, or a user's segments by name.
+Selection = Granularity | NamedSegments
+
+
+def parse_selection(text: str, segments: list[str] | None = None) -> Selection:
+    """One item of ``--granularity``: a granularity's text form, or, for a user's model
+    (``segments``: its dotted segment names), ``NAME+NAME...`` of those segments."""
+    text = text.strip()
+    if segments is None:
+        return parse_granularity(text)
+    head = text.partition(":")[0]
+    if head in ("none", "layer", "every", "group", "attention", "mlp"):
+        granularity = parse_granularity(text)
+        if not isinstance(granularity, SINGLE_LAYERS):
+            raise InvalidArgument(
+                f"--granularity item {text!r}: a --model's segments are called one by one by "
+                f"its own forward, so only none, layer, every:K or segment names apply; to "
+                f"recompute several as one, name the module that holds them in the factory's "
+                f"segments")
+        return granularity
+    names = tuple(n.strip() for n in text.split("+"))
+    unknown = [n for n in names if n not in segments]
+    if unknown or not all(names):
+        raise InvalidArgument(
+            f"--granularity item {text!r}: {unknown[0] if unknown else ''!r} is not a segment "
+            f"of the model; its segments are {', '.join(segments)} (join several with '+', "
+            f"e.g. {'+'.join(segments[:2])})")
+    return NamedSegments(names)
 
 
 @dataclass
@@ -37,7 +84,7 @@ class GranularityProfile:
     step_s: dict[str, float]  # p50, p95, p99 of forward + backward + optimizer step
     forward_s: float  # p50
     backward_s: float  # p50, with the optimizer step
-    tokens_per_s: float  # at the p50 step time
+    tokens_per_s: float  # at the p50 step time (samples for a user's model: conditions' unit)
     recompute_s: float = 0.0  # p50 time inside segment forwards run during backward
     extra_backward_s: float = 0.0  # p50 backward minus that of "none"
     overhead_vs_none: float = 0.0  # p50 step time / that of "none" - 1
@@ -58,11 +105,13 @@ class ProfileResult:
     rows: list[GranularityProfile] = field(default_factory=list)
     adapter: str = "function"
     kwargs: dict[str, str] = field(default_factory=dict)  # the implementation's, as repr()
+    recommendation: dict[str, Any] = field(default_factory=dict)  # recommend()'s
 
     def to_dict(self) -> dict[str, Any]:
         return {"schema_version": 1, "command": "profile", "implementation": self.impl,
                 "adapter": self.adapter, "kwargs": self.kwargs, "case": self.case,
-                "conditions": self.conditions, "rows": [asdict(r) for r in self.rows]}
+                "conditions": self.conditions, "rows": [asdict(r) for r in self.rows],
+                "recommendation": self.recommendation}
 
 
 def percentiles(values: list[float]) -> dict[str, float]:
@@ -174,10 +223,17 @@ class _Progress:
 class _Runner:
     """One granularity's model, ready to step."""
 
-    def __init__(self, case: Case, granularity: Granularity, impl: Implementation,
+    def __init__(self, case: Case, granularity: Selection, impl: Implementation,
                  device: torch.device) -> None:
         self.device = device
-        self.path = prepare(replace(case, granularity=granularity), impl, device)
+        if isinstance(granularity, NamedSegments):  # every segment, then keep those named
+            self.path = build_path(replace(case, granularity=EveryLayer()), device)
+            self.path.segments = [s for s in self.path.segments if s.name in granularity.names]
+        else:
+            self.path = build_path(replace(case, granularity=granularity), device)
+        self.path.install(impl)
+        self.path.model.train()
+        self.path.seed()
         self.model = self.path.model
         self.optimizer = torch.optim.SGD(self.model.parameters(), lr=1e-3)
         self.clock = _RecomputeClock([s.module for s in self.path.segments], device)
@@ -230,14 +286,16 @@ class _Runner:
 def profile(
     impl: Implementation,
     case: Case,
-    granularities: list[Granularity],
+    granularities: list[Selection],
     *,
     steps: int = 20,
     warmup: int = 3,
     device: torch.device | str = "cpu",
     progress: Callable[[str], None] | None = None,
+    memory_budget: int | None = None,
 ) -> ProfileResult:
-    """Memory and step time of ``case``'s model under each granularity, through ``impl``.
+    """Memory and step time of ``case``'s model under each granularity, through ``impl``,
+    and :func:`recommend`'s reading of them (``memory_budget``: activation bytes).
 
     ``progress`` receives a line as each phase starts and ends and, within a long phase, at
     most one per ``PROGRESS_EVERY_S`` seconds; it runs between steps, never inside a timed
@@ -270,9 +328,16 @@ def profile(
                 say.tick(f"round {round_ + 1} of {rounds}, {done} of {rounds * n} steps",
                          done / (rounds * n))
         say.end()
-    tokens = case.batch.batch_size * case.batch.seq_len
-    shape = case.describe().replace(f", {case.granularity}, ", ", ")
-    shape = shape.replace("t, ", f"t x batch {case.batch.batch_size}, ", 1)
+    if isinstance(case.model, ExternalConfig):  # the factory chose the batch: count samples
+        targets = runners[0].path.targets
+        unit, batch = "samples", int(targets.shape[0]) if targets.dim() else 1
+        tokens = batch
+        shape = f"model {case.model.factory} x batch {batch}, {case.dtype}, seed {case.seed}"
+    else:
+        unit, batch = "tokens", case.batch.batch_size
+        tokens = case.batch.batch_size * case.batch.seq_len
+        shape = case.describe().replace(f", {case.granularity}, ", ", ")
+        shape = shape.replace("t, ", f"t x batch {case.batch.batch_size}, ", 1)
     rows = []
     for g, runner, figures in zip(granularities, runners, memory):
         totals = [f + b for f, b in zip(runner.forward_s, runner.backward_s)]
@@ -295,9 +360,108 @@ def profile(
     conditions = {"torch": torch.__version__, "device": str(device),
                   "threads": torch.get_num_threads(), "dtype": case.dtype,
                   "steps": steps, "warmup": warmup, "tokens_per_step": tokens,
-                  "shape": shape}
+                  "unit": unit, "batch": batch, "shape": shape}
     return ProfileResult(impl.spec, case.to_dict(), conditions, rows, impl.adapter,
-                         {k: repr(v) for k, v in impl.kwargs.items()})
+                         {k: repr(v) for k, v in impl.kwargs.items()},
+                         recommend(rows, batch=batch, unit=unit, memory_budget=memory_budget))
+
+
+#: A step along the frontier costs "clearly more" when its time per byte saved is more than
+#: this many times that of the steps before it, taken together.
+KNEE_FACTOR = 2.0
+
+
+def peak_bytes(row: GranularityProfile) -> int:
+    """The most activation bytes alive at once in a step: held, or more during backward."""
+    return max(row.held_bytes, row.peak_backward_bytes)
+
+
+def recommend(rows: list[GranularityProfile], *, batch: int, unit: str = "tokens",
+              memory_budget: int | None = None) -> dict[str, Any]:
+    """The frontier's knee, and with ``memory_budget`` what fits it.
+
+    The knee: walk the frontier from its fastest point towards less memory; the knee
+    is the last point before a step whose time per byte saved is more than
+    ``KNEE_FACTOR`` times that of all the steps before it together (or the last point,
+    when no step is). With a budget: the fastest granularity whose peak fits, and per
+    granularity the largest batch whose peak would fit (activation bytes grow with the
+    batch, so the measured peak per sample times the batch), with its rate as measured.
+    """
+    frontier = sorted((r for r in rows if r.on_frontier),
+                      key=lambda r: (r.step_s["p50"], -r.held_bytes))
+    knee, why = frontier[0], "it is the only point on the frontier"
+    if len(frontier) > 1:
+        why = (f"no step along the frontier costs more than {KNEE_FACTOR:g}x the time per MiB "
+               f"saved of the steps before it, so the point that saves the most is still a "
+               f"fair buy")
+        knee = frontier[-1]
+        start = frontier[0]
+        for before, after in zip(frontier, frontier[1:]):
+            saved_so_far = start.held_bytes - before.held_bytes
+            step_saved = before.held_bytes - after.held_bytes
+            so_far = (_ms_per_mib(before.step_s["p50"] - start.step_s["p50"], saved_so_far)
+                      if before is not start else None)
+            this = _ms_per_mib(after.step_s["p50"] - before.step_s["p50"], step_saved)
+            if so_far is not None and this > KNEE_FACTOR * so_far:
+                knee = before
+                why = (f"reaching it from {start.granularity} costs {so_far:.2f} ms per MiB "
+                       f"saved; going on to {after.granularity} costs {this:.2f} ms per MiB, "
+                       f"{this / so_far if so_far else float('inf'):.1f}x as much (more than "
+                       f"{KNEE_FACTOR:g}x is clearly more)")
+                break
+    result: dict[str, Any] = {
+        "rule": (f"the knee: along the frontier from its fastest point, the last granularity "
+                 f"before a step whose step time per byte saved is more than "
+                 f"{KNEE_FACTOR:g}x that of the steps before it together"),
+        "knee": knee.granularity, "why": why, "memory_budget": memory_budget}
+    if memory_budget is None:
+        return result
+    fitting = [r for r in rows if peak_bytes(r) <= memory_budget]
+    fastest = min(fitting, key=lambda r: r.step_s["p50"]) if fitting else None
+    largest = []
+    for r in rows:
+        per_sample = peak_bytes(r) / batch if batch else float(peak_bytes(r))
+        most = int(memory_budget // per_sample) if per_sample else None
+        largest.append({"granularity": r.granularity, "peak_bytes": peak_bytes(r),
+                        "fits": peak_bytes(r) <= memory_budget, "largest_batch": most,
+                        "per_s": r.tokens_per_s})
+    result.update(fits=[r.granularity for r in fitting],
+                  fastest_fitting=None if fastest is None else fastest.granularity,
+                  largest_batch=largest, verdict=_budget_verdict(rows, fastest, largest,
+                                                                 memory_budget, batch, unit))
+    return result
+
+
+def _ms_per_mib(seconds: float, saved_bytes: int) -> float:
+    return seconds * 1e3 / (saved_bytes / 2**20) if saved_bytes > 0 else float("inf")
+
+
+def _budget_verdict(rows: list[GranularityProfile], fastest: GranularityProfile | None,
+                    largest: list[dict[str, Any]], budget: int, batch: int,
+                    unit: str) -> str:
+    """One plain sentence: what fits, and whether recompute buys a larger batch."""
+    if fastest is None:
+        least = min(rows, key=peak_bytes)
+        most = next(x["largest_batch"] for x in largest if x["granularity"] == least.granularity)
+        return (f"nothing fits {budget:,} bytes at batch {batch}: the smallest peak is "
+                f"{least.granularity}'s {peak_bytes(least):,} bytes; with it the largest "
+                f"batch that fits is {most}" + ("" if most else " (none: even one sample "
+                                                 "needs more)"))
+    base = next((x for x in largest if x["granularity"] == "none"), None)
+    best = max(largest, key=lambda x: x["largest_batch"] or 0)
+    text = f"{fastest.granularity} is the fastest granularity that fits {budget:,} bytes"
+    if fastest.granularity == "none":
+        text += f", so recompute is not needed at batch {batch}"
+    if base is not None and best["granularity"] != "none" and \
+            (best["largest_batch"] or 0) > (base["largest_batch"] or 0):
+        change = best["per_s"] / base["per_s"] - 1 if base["per_s"] else 0.0
+        text += (f"; recompute buys a larger batch: {best['granularity']} fits batch "
+                 f"{best['largest_batch']} where none fits {base['largest_batch'] or 0}, at "
+                 f"{best['per_s']:,.0f} {unit}/s as measured ({change:+.0%} against none): "
+                 f"worth it if that batch is wanted and that rate is acceptable")
+    elif base is not None:
+        text += "; no granularity fits a larger batch than none, so recompute buys nothing here"
+    return text
 
 
 def plot(result: ProfileResult, path: Path) -> str | None:
@@ -313,9 +477,12 @@ def plot(result: ProfileResult, path: Path) -> str | None:
 
 
 def run(args: Any) -> int:
-    """The profile command: measure, print the table, write DIR/profile.json (+ .md, .png)."""
+    """The profile command: measure, print the table and the recommendation, write
+    DIR/profile.json (+ .md, .png)."""
+    from gradequiv.harness.commands.check import check_model
     from gradequiv.harness.engine.devices import resolve_device
     from gradequiv.harness.implementations.resolve import resolve
+    from gradequiv.harness.options import profile_options
     from gradequiv.harness.reports.files import write_json_atomic
     from gradequiv.harness.reports.markdown import profile_markdown
     from gradequiv.harness.validate import impl_kwargs
@@ -323,25 +490,31 @@ def run(args: Any) -> int:
         ELEMENT_DROPOUT_SITES,
         BatchConfig,
         TransformerConfig,
-        parse_granularity,
     )
+    from gradequiv.models.external import seeded_user_model
 
+    options = profile_options(granularity=args.granularity, memory_budget=args.memory_budget,
+                              model=args.model)
     impl = resolve(args.impl, adapter=args.adapter, kwargs=impl_kwargs(args.impl_kwarg))
     device = resolve_device(args.device)
-    granularities = [parse_granularity(text) for text in args.granularity.split(",")
-                     if text.strip()]
-    if not granularities:
-        raise InvalidArgument(f"--granularity={args.granularity!r} names none; "
-                              f"write e.g. none,layer,every:2")
-    rates = dict.fromkeys(ELEMENT_DROPOUT_SITES, args.dropout)
-    model = TransformerConfig(n_layer=args.layers, n_embd=args.width, n_head=args.heads,
-                              max_seq_len=args.seq_len, **rates)
-    case = Case(model=model, batch=BatchConfig(args.batch, args.seq_len, padding=False),
-                dtype=args.dtype, name="profile")
+    if options.model is not None:
+        check_model(options.model)  # a factory that cannot build, or not reproducibly: exit 2
+        config = ExternalConfig(options.model)
+        segments = seeded_user_model(config, 0).segments
+        granularities = [parse_selection(text, segments) for text in options.granularity]
+        case = Case(model=config, dtype=args.dtype, name="profile")
+    else:
+        granularities = [parse_selection(text) for text in options.granularity]
+        rates = dict.fromkeys(ELEMENT_DROPOUT_SITES, args.dropout)
+        model = TransformerConfig(n_layer=args.layers, n_embd=args.width, n_head=args.heads,
+                                  max_seq_len=args.seq_len, **rates)
+        case = Case(model=model, batch=BatchConfig(args.batch, args.seq_len, padding=False),
+                    dtype=args.dtype, name="profile")
     print(f"gradequiv profile: {impl.spec} on {device}, {case.describe()}, "
           f"{len(granularities)} granularities x {args.steps} steps", flush=True)
     result = profile(impl, case, granularities, steps=args.steps, warmup=args.warmup,
-                     device=device, progress=lambda line: print(line, flush=True))
+                     device=device, progress=lambda line: print(line, flush=True),
+                     memory_budget=options.memory_budget)
     print(profile_markdown(result.to_dict()), end="")
     if args.report_dir is not None:
         missing = plot(result, args.report_dir / "profile.png")

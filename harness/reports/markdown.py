@@ -14,6 +14,7 @@ from gradequiv.harness.reports.findings import FailureGroup, failure_groups, fin
 from gradequiv.harness.reports.tables import (
     mutants_summary,
     mutants_table,
+    profile_recommendation,
     profile_summary,
     profile_tables,
 )
@@ -149,6 +150,9 @@ def _profile_body(profile: dict[str, Any]) -> list[str]:
     lines = [profile_summary(profile)]
     for caption, table in profile_tables(profile):
         lines += ["", *([caption, ""] if caption else []), *table.markdown()]
+    recommendation = profile_recommendation(profile)
+    if recommendation:
+        lines += ["", *recommendation]
     if profile.get("plot"):
         lines += ["", f"![memory against step time]({profile['plot']})"]
     return lines

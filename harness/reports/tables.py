@@ -11,7 +11,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-__all__ = ["Table", "mutants_summary", "mutants_table", "profile_summary", "profile_tables"]
+__all__ = ["Table", "mutants_summary", "mutants_table", "profile_recommendation", "profile_summary",
+           "profile_tables"]
 
 #: Outcomes that go against the suite: a mutant it missed, a correct implementation it failed.
 _AGAINST = ("survived", "flagged")
@@ -67,7 +68,8 @@ def profile_tables(profile: dict[str, Any]) -> list[tuple[str, Table]]:
     tables = [("", Table(
         ["granularity", "activation bytes", "peak in backward", "saved vs none", "step p50 ms",
          "p95 ms", "p99 ms", "overhead vs none", "forward ms", "backward ms",
-         "of which recompute ms", "tokens/s", "frontier"],
+         "of which recompute ms", f"{profile['conditions'].get('unit', 'tokens')}/s",
+         "frontier"],
         [[r["granularity"], f"{r['held_bytes']:,}", f"{r['peak_backward_bytes']:,}",
           f"{r['memory_saved_vs_none']:.1%}", f"{r['step_s']['p50'] * 1e3:.1f}",
           f"{r['step_s']['p95'] * 1e3:.1f}", f"{r['step_s']['p99'] * 1e3:.1f}",
@@ -89,3 +91,30 @@ def profile_tables(profile: dict[str, Any]) -> list[tuple[str, Table]]:
               f"{r['cuda_requested_held_bytes']:,}", f"{r['cuda_max_allocated_bytes']:,}"]
              for r in rows])))
     return tables
+
+
+def profile_recommendation(profile: dict[str, Any]) -> list[str]:
+    """The recommendation as Markdown lines: the knee and why, and with a memory budget
+    what fits it and the largest batch each granularity could run (empty for older files)."""
+    rec = profile.get("recommendation")
+    if not rec:
+        return []
+    lines = [f"**Recommended: {rec['knee']}**, the knee of the frontier: {rec['why']}.",
+             "", f"Rule: {rec['rule']}."]
+    budget = rec.get("memory_budget")
+    if budget is None:
+        return lines
+    unit = profile["conditions"].get("unit", "tokens")
+    batch = profile["conditions"].get("batch")
+    lines += ["", f"**Memory budget {budget:,} bytes** (activation bytes at the step's peak; "
+                  f"parameters, gradients and optimizer state not included): "
+                  f"{rec['verdict']}.", "",
+              *Table(["granularity", "peak bytes", f"fits at batch {batch}",
+                      "largest batch within the budget", f"{unit}/s as measured"],
+                     [[x["granularity"], f"{x['peak_bytes']:,}", "yes" if x["fits"] else "no",
+                       "none" if not x["largest_batch"] else f"{x['largest_batch']:,}",
+                       f"{x['per_s']:,.0f}"] for x in rec["largest_batch"]]).markdown(),
+              "", "The largest batch is the budget over the measured peak per sample "
+                  "(activation bytes grow with the batch); the rate is the one measured at "
+                  f"batch {batch}."]
+    return lines
