@@ -179,3 +179,68 @@ def test_what_cannot_be_put_back_is_said() -> None:
     with torch.inference_mode():
         assert global_state.restore(before) == ["inference mode False -> True"]
     assert global_state.diff(before, global_state.snapshot()) == []
+
+
+# -- global module hooks ----------------------------------------------------------------------
+
+
+def test_a_global_forward_hook_left_registered_fails_rng_naming_it_and_is_removed() -> None:
+    """Not "nondeterministic": the hook is named, and no later path runs it."""
+    import wrong_impls
+    from torch.nn.modules import module as nn_module
+
+    verdict = run(wrong_impls.leaves_a_forward_hook)
+    prop = rng(verdict)
+    assert prop.passed is False and prop.first_failure.startswith(LEAK)
+    assert ("global module forward hooks: added wrong_impls._nudges_outputs"
+            in prop.first_failure)
+    assert "nondetermin" not in verdict.first_failure
+    assert not nn_module._global_forward_hooks  # removed after the case
+    assert verify("torch", CASE).passed  # the next case runs without it
+
+
+def _identity_hook(*args: Any, **kwargs: Any) -> None:
+    return None
+
+
+HOOK_KINDS = [
+    ("global module forward hooks", "register_module_forward_hook"),
+    ("global module forward pre-hooks", "register_module_forward_pre_hook"),
+    ("global module backward hooks", "register_module_full_backward_hook"),
+    ("global module backward pre-hooks", "register_module_full_backward_pre_hook"),
+    ("global module buffer registration hooks", "register_module_buffer_registration_hook"),
+    ("global module parameter registration hooks",
+     "register_module_parameter_registration_hook"),
+    ("global module registration hooks", "register_module_module_registration_hook"),
+]
+
+
+@pytest.mark.parametrize("label, register", HOOK_KINDS, ids=[k[0] for k in HOOK_KINDS])
+def test_each_kind_of_global_module_hook_is_seen_named_and_removed(
+        label: str, register: str) -> None:
+    from torch.nn.modules import module as nn_module
+
+    before = global_state.snapshot()
+    full_backward = nn_module._global_is_full_backward_hook
+    getattr(nn_module, register)(_identity_hook)
+    changed = global_state.diff(before, global_state.snapshot())
+    assert changed == [f"{label}: added test_global_state._identity_hook"]
+    assert global_state.restore(before) == []
+    assert global_state.snapshot() == before
+    assert nn_module._global_is_full_backward_hook is full_backward
+
+
+def test_a_global_hook_the_implementation_removed_is_put_back() -> None:
+    from torch.nn.modules import module as nn_module
+
+    handle = nn_module.register_module_forward_hook(_identity_hook, always_call=True)
+    try:
+        before = global_state.snapshot()
+        handle.remove()
+        assert global_state.diff(before, global_state.snapshot()) == [
+            "global module forward hooks: removed test_global_state._identity_hook"]
+        assert global_state.restore(before) == []
+        assert list(nn_module._global_forward_hooks.values()) == [_identity_hook]
+        assert nn_module._global_forward_hooks_always_called == {handle.id: True}
+    finally:
+        handle.remove()

@@ -281,3 +281,63 @@ def wrapper_that_raises(module: nn.Module) -> nn.Module:
 def toggle_that_raises(model: nn.Module) -> None:
     """A ``toggle`` that raises when applied (the model has no such switch)."""
     raise AttributeError("model has no attribute 'enable_recompute'")
+
+
+def uses_a_torch_thread(fn: Any, *args: Any, **kwargs: Any) -> Any:
+    """Correct; its first call makes torch start a thread of its own (the prefetch pool
+    behind inductor's caches, a non-daemon executor worker that outlives the run): torch's
+    thread, not the implementation's."""
+    from torch.utils import _functools
+
+    if not getattr(uses_a_torch_thread, "started", False):
+        uses_a_torch_thread.started = True  # type: ignore[attr-defined]
+        _functools.prefetchable_cache(lambda: 1).prefetch()  # type: ignore[attr-defined]
+    return _checkpoint(fn, *args, **kwargs)
+
+
+def slow_to_exit(fn: Any, *args: Any, **kwargs: Any) -> Any:
+    """Correct; the process takes seconds to end after the verdict (an atexit handler
+    standing in for torch's teardown on a loaded machine)."""
+    import atexit
+    import time
+
+    if not getattr(slow_to_exit, "registered", False):
+        slow_to_exit.registered = True  # type: ignore[attr-defined]
+        atexit.register(time.sleep, 4)
+    return _checkpoint(fn, *args, **kwargs)
+
+
+def leaves_a_process(fn: Any, *args: Any, **kwargs: Any) -> Any:
+    """Correct, but starts a helper process at its first call and never stops it."""
+    import subprocess
+    import sys
+
+    if not getattr(leaves_a_process, "started", False):
+        leaves_a_process.started = True  # type: ignore[attr-defined]
+        subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"],
+                         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    return _checkpoint(fn, *args, **kwargs)
+
+
+def _nudges_outputs(module: nn.Module, inputs: Any, output: Any) -> Any:
+    return output * 1.001 if isinstance(output, Tensor) else None
+
+
+def leaves_a_forward_hook(fn: Any, *args: Any, **kwargs: Any) -> Any:
+    """Right gradients, but registers a global module forward hook (unless it is there) and
+    never removes it: every later module call, of full storage's paths too, runs it."""
+    from torch.nn.modules import module as nn_module
+
+    if _nudges_outputs not in nn_module._global_forward_hooks.values():
+        nn_module.register_module_forward_hook(_nudges_outputs)
+    return _checkpoint(fn, *args, **kwargs)
+
+
+def prints_and_fails(fn: Any, *args: Any, **kwargs: Any) -> Any:
+    """Print-debugging in a wrong implementation (its gradients scaled): what it prints
+    must reach the user."""
+    import sys
+
+    print(f"debug: checkpointing {getattr(fn, '__qualname__', fn)}")
+    print("debug: about to recompute", file=sys.stderr)
+    return scaled_output(fn, *args, **kwargs)

@@ -14,6 +14,12 @@ A switch that this torch does not have (older releases lack some) is left out
 of the snapshot; one whose getter raises (torch refuses to read the float32
 matmul precision once its legacy and per-backend settings disagree) is kept as
 "unreadable".
+
+The global module hooks (``torch.nn.modules.module.register_module_forward_hook`` and
+its kin: forward pre-hooks, backward hooks, buffer, parameter and module registration
+hooks) are global state too: one left registered runs inside every later module call,
+of full storage's paths as well. They are snapshot, diffed by the hooks' names and put
+back with the switches.
 """
 
 from __future__ import annotations
@@ -185,6 +191,89 @@ _SWITCHES: tuple[_Switch, ...] = (
 )
 
 
+class _Hooks:
+    """One kind of global module hook as registered: the hooks by handle id, with the
+    flags torch keeps beside them (``always_call``, ``with_kwargs``, full backward)."""
+
+    def __init__(self, hooks: tuple[tuple[int, object], ...],
+                 extra: tuple[object, ...] = ()) -> None:
+        self.hooks = hooks
+        self.extra = extra
+
+    def __eq__(self, other: object) -> bool:
+        return (isinstance(other, _Hooks) and self.extra == other.extra
+                and len(self.hooks) == len(other.hooks)
+                and all(a[0] == b[0] and a[1] is b[1] for a, b in zip(self.hooks, other.hooks)))
+
+    def __hash__(self) -> int:
+        return hash(tuple(key for key, _ in self.hooks))
+
+    def __repr__(self) -> str:
+        return "[" + ", ".join(_hook_name(hook) for _, hook in self.hooks) + "]"
+
+    def changes(self, before: _Hooks) -> str:
+        """What changed from ``before``, by the hooks' names: "added mypkg.hook"."""
+        old = {key for key, _ in before.hooks}
+        new = {key for key, _ in self.hooks}
+        said = [f"added {_hook_name(h)}" for key, h in self.hooks if key not in old]
+        said += [f"removed {_hook_name(h)}" for key, h in before.hooks if key not in new]
+        return ", ".join(said) or f"{before!r} -> {self!r}"
+
+
+def _hook_name(hook: object) -> str:
+    """A hook as a reader finds it in their code: ``module.qualified.name``."""
+    target = getattr(hook, "func", hook)  # functools.partial
+    name = getattr(target, "__qualname__", None) or type(target).__qualname__
+    module = getattr(target, "__module__", None)
+    return f"{module}.{name}" if module else str(name)
+
+
+def _module_hooks(label: str, table: str, *extra: str) -> _Switch:
+    """A kind of global module hook: the dict ``table`` of ``torch.nn.modules.module`` and
+    the module-level values kept with it (the flags of its hooks)."""
+    from torch.nn.modules import module as nn_module
+
+    def get() -> object:
+        hooks: dict[int, object] = getattr(nn_module, table)
+        flags = tuple(_copy(getattr(nn_module, name)) for name in extra)
+        return _Hooks(tuple(hooks.items()), flags)
+
+    def put(value: object) -> None:
+        assert isinstance(value, _Hooks)
+        hooks: dict[int, object] = getattr(nn_module, table)
+        hooks.clear()
+        hooks.update(value.hooks)
+        for name, flag in zip(extra, value.extra):
+            current = getattr(nn_module, name)
+            if isinstance(current, dict):
+                current.clear()
+                current.update(dict(flag))  # type: ignore[call-overload]
+            else:
+                setattr(nn_module, name, flag)
+
+    return _Switch(label, get, put)
+
+
+def _copy(value: object) -> object:
+    return tuple(value.items()) if isinstance(value, dict) else value
+
+
+#: The global module hooks, put back after the switches.
+_HOOKS: tuple[_Switch, ...] = (
+    _module_hooks("global module forward hooks", "_global_forward_hooks",
+                  "_global_forward_hooks_always_called", "_global_forward_hooks_with_kwargs"),
+    _module_hooks("global module forward pre-hooks", "_global_forward_pre_hooks"),
+    _module_hooks("global module backward hooks", "_global_backward_hooks",
+                  "_global_is_full_backward_hook"),
+    _module_hooks("global module backward pre-hooks", "_global_backward_pre_hooks"),
+    _module_hooks("global module buffer registration hooks",
+                  "_global_buffer_registration_hooks"),
+    _module_hooks("global module parameter registration hooks",
+                  "_global_parameter_registration_hooks"),
+    _module_hooks("global module registration hooks", "_global_module_registration_hooks"),
+)
+
+
 class _Unreadable:
     """A switch whose getter raised: equal to another for the same reason."""
 
@@ -213,7 +302,7 @@ def _read(switch: _Switch) -> object:
 def snapshot() -> GlobalState:
     """Every switch this torch has, as it is now (on the calling thread: grad mode,
     inference mode and autocast are per thread)."""
-    values = ((s.label, _read(s)) for s in _SWITCHES)
+    values = ((s.label, _read(s)) for s in (*_SWITCHES, *_HOOKS))
     return GlobalState(tuple((label, v) for label, v in values if v is not _ABSENT))
 
 
@@ -251,9 +340,15 @@ def _effective(state: GlobalState) -> dict[str, object]:
 def diff(before: GlobalState, after: GlobalState) -> list[str]:
     """Each switch that differs, readably: ``"default dtype torch.float32 -> torch.float64"``."""
     old, new = _effective(before), _effective(after)
-    return [f"{label} {_show(old.get(label, _ABSENT))} -> {_show(new.get(label, _ABSENT))}"
+    return [_change(label, old.get(label, _ABSENT), new.get(label, _ABSENT))
             for label in dict.fromkeys([*old, *new])
             if old.get(label, _ABSENT) != new.get(label, _ABSENT)]
+
+
+def _change(label: str, old: object, new: object) -> str:
+    if isinstance(old, _Hooks) and isinstance(new, _Hooks):
+        return f"{label}: {new.changes(old)}"
+    return f"{label} {_show(old)} -> {_show(new)}"
 
 
 def restore(state: GlobalState) -> list[str]:
@@ -263,7 +358,7 @@ def restore(state: GlobalState) -> list[str]:
     if now == state:
         return []
     wanted = dict(state.values)
-    for switch in _SWITCHES:
+    for switch in (*_SWITCHES, *_HOOKS):
         value = wanted.get(switch.label, _ABSENT)
         if switch.set is None or value is _ABSENT or isinstance(value, _Unreadable):
             continue
