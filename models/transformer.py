@@ -33,11 +33,30 @@ knobs make segments look like other real layers, each off by default:
   training forward (a frozen bottom layer, as fine-tuning keeps early layers fixed),
   so grad mode differs between the segments of one forward: that layer's weights
   get no gradient, and a checkpoint must not make its output require grad.
+
+Four more knobs give segments what real layers are full of, each off by default:
+
+* ``nested_inputs``: each layer gets its tensors nested and by keyword,
+  ``layer({"hidden": [x], "embedding": (x0,)}, key_padding_mask=mask, ...)``, as HF passes
+  ``position_embeddings=(cos, sin)`` and pipelines pass lists of hidden states: no
+  positional argument is a tensor;
+* ``inplace_ops``: in-place operations inside the segments: embedding and residual
+  dropout ``nn.Dropout(inplace=True)``, ``nn.ReLU(inplace=True)``, the manual attention
+  path's scale and mask applied with ``mul_`` and ``masked_fill_`` on the scores right
+  after their matmul, and the embedding mixed in with ``add_``;
+* ``value_hooks``: hooks that change values, as adapters and interventions do: a LoRA
+  delta added by a forward hook on ``attn.qkv`` and ``mlp.fc``, a pre-hook on each
+  attention and MLP that rescales its input, and a forward hook on each layer that adds
+  a steering vector to its output;
+* ``outside_params``: parameters a segment reads but does not own: a projection held by
+  the model that every layer's attention adds to its output projection (reached through a
+  closure) and a gate per layer owned by the model that scales its MLP output.
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
@@ -115,7 +134,10 @@ class Attention(nn.Module):
         self.proj = nn.Linear(config.n_embd, config.n_embd, bias=config.bias)
         self.attn_dropout = nn.Dropout(config.attn_dropout)  # manual path only
         self.attn_dropout_p = config.attn_dropout  # fused path: SDPA's dropout_p
-        self.resid_dropout = nn.Dropout(config.resid_dropout)
+        self.inplace = config.inplace_ops
+        self.resid_dropout = nn.Dropout(config.resid_dropout, inplace=config.inplace_ops)
+        # Under ``outside_params``: the model's shared projection, reached through a closure.
+        self.outside: Callable[[Tensor], Tensor] | None = None
 
     def forward(
         self, h: Tensor, key_padding_mask: Tensor | None, *, causal: bool = False
@@ -132,13 +154,26 @@ class Attention(nn.Module):
                 dropout_p=self.attn_dropout_p if self.training else 0.0,
             )
         else:
-            att = (q @ k.transpose(-2, -1)) * (1.0 / math.sqrt(k.size(-1)))  # (B, nh, T, T)
-            if allowed is not None:
-                att = att.masked_fill(~allowed, float("-inf"))
+            scale = 1.0 / math.sqrt(k.size(-1))
+            if self.inplace:  # in place on the matmul's output, as real kernels write it
+                att = (q @ k.transpose(-2, -1)).mul_(scale)  # (B, nh, T, T)
+                if allowed is not None:
+                    att.masked_fill_(~allowed, float("-inf"))
+            else:
+                att = (q @ k.transpose(-2, -1)) * scale  # (B, nh, T, T)
+                if allowed is not None:
+                    att = att.masked_fill(~allowed, float("-inf"))
             att = self.attn_dropout(F.softmax(att, dim=-1))
             y = att @ v  # (B, nh, T, hs)
         y = y.transpose(1, 2).contiguous().view(B, T, C)
-        out: Tensor = self.resid_dropout(self.proj(y))
+        projected = self.proj(y)
+        if self.outside is not None:
+            # On y, not on h: a segment input read by two matmuls under autocast would be cast
+            # once (a reentrant recompute's detached input is a leaf, whose cast autocast
+            # caches) and once per use with full storage: both right, summed in other
+            # precisions.
+            projected = projected + self.outside(y)
+        out: Tensor = self.resid_dropout(projected)
         return out
 
 
@@ -209,10 +244,13 @@ class MLP(nn.Module):
         self.fc = nn.Linear(config.n_embd, (2 if self.swiglu else 1) * hidden, bias=config.bias)
         activations = {"gelu": nn.GELU, "relu": nn.ReLU, "rrelu": RandomSlopeReLU,
                        "swiglu": nn.SiLU}
-        self.act = activations[config.activation]()
+        self.act = (nn.ReLU(inplace=True) if config.activation == "relu" and config.inplace_ops
+                    else activations[config.activation]())
         self.mlp_dropout = nn.Dropout(config.mlp_dropout)
         self.proj = nn.Linear(hidden, config.n_embd, bias=config.bias)
-        self.resid_dropout = nn.Dropout(config.resid_dropout)
+        self.resid_dropout = nn.Dropout(config.resid_dropout, inplace=config.inplace_ops)
+        # Under ``outside_params``: this layer's gate, owned by the model.
+        self.outside_gate: Callable[[], Tensor] | None = None
 
     def forward(self, h: Tensor) -> Tensor:
         if self.stats is not None:
@@ -222,7 +260,10 @@ class MLP(nn.Module):
             hidden = self.act(gate) * up
         else:
             hidden = self.act(self.fc(h))
-        out: Tensor = self.resid_dropout(self.proj(self.mlp_dropout(hidden)))
+        projected = self.proj(self.mlp_dropout(hidden))
+        if self.outside_gate is not None:
+            projected = projected * self.outside_gate()
+        out: Tensor = self.resid_dropout(projected)
         return out
 
 
@@ -250,17 +291,27 @@ class Block(nn.Module):
         self.autocast_off = False
         # Set on the model's first block under ``frozen_first_layer``: called under no_grad.
         self.grad_off = False
+        self.inplace = config.inplace_ops
 
     def forward(
         self,
-        x: Tensor,
-        x0: Tensor,
+        x: Tensor | dict[str, Any],
+        x0: Tensor | None = None,
         key_padding_mask: Tensor | None = None,
         *,
         causal: bool = False,
         residual_scale: float = 1.0,
     ) -> Tensor | tuple[Tensor, Tensor]:
-        x = x + self.x0_gate * x0
+        hidden, embedding = _unnest(x, x0)
+        return self._layer(hidden, embedding, key_padding_mask, causal=causal,
+                           residual_scale=residual_scale)
+
+    def _layer(self, x: Tensor, x0: Tensor, key_padding_mask: Tensor | None, *, causal: bool,
+               residual_scale: float) -> Tensor | tuple[Tensor, Tensor]:
+        if self.inplace:
+            x = torch.mul(self.x0_gate, x0).add_(x)
+        else:
+            x = x + self.x0_gate * x0
         aux = None if self.expert_router is None else _z_loss(self.expert_router(x))
         if self.pre_norm:
             a = self.router(self.attn, self.norm_1(x), key_padding_mask, causal=causal)
@@ -280,6 +331,17 @@ def _z_loss(router_logits: Tensor) -> Tensor:
     return 1e-2 * torch.logsumexp(router_logits.float(), dim=-1).square().mean()
 
 
+def _unnest(x: Tensor | dict[str, Any], x0: Tensor | None) -> tuple[Tensor, Tensor]:
+    """``x`` and ``x0`` out of a layer's arguments, passed plainly or nested
+    (``nested_inputs``: ``{"hidden": [x], "embedding": (x0,)}``)."""
+    if isinstance(x, dict):
+        (hidden,), (x0,) = x["hidden"], x["embedding"]
+    else:
+        hidden = x
+    assert isinstance(hidden, Tensor) and isinstance(x0, Tensor)
+    return hidden, x0
+
+
 def _plain_call(module: nn.Module, *args: Any, **kwargs: Any) -> Any:
     return module(*args, **kwargs)
 
@@ -294,8 +356,10 @@ def _run_layer(
     x0_keyword: bool,
     causal: bool,
     residual_scale: float,
+    nested: bool = False,
 ) -> tuple[Tensor, Tensor | None]:
-    """One layer (or group) through ``call``, ``x0`` by position or keyword, with autocast
+    """One layer (or group) through ``call``, ``x0`` by position or keyword (``nested``: both
+    streams nested in a dict of a list and a tuple, the mask by keyword), with autocast
     disabled for a block marked ``autocast_off`` and grad mode off for one marked
     ``grad_off``; its new residual stream and its aux loss (None without one)."""
     precision: contextlib.AbstractContextManager[Any] = contextlib.nullcontext()
@@ -305,7 +369,11 @@ def _run_layer(
     if getattr(layer, "grad_off", False):
         grad_mode = torch.no_grad()
     with precision, grad_mode:
-        if x0_keyword:  # the mask follows x0 in the signature, so it goes by keyword too
+        if nested:
+            out = call(layer, {"hidden": [x], "embedding": (x0,)},
+                       key_padding_mask=key_padding_mask, causal=causal,
+                       residual_scale=residual_scale)
+        elif x0_keyword:  # the mask follows x0 in the signature, so it goes by keyword too
             out = call(layer, x, x0=x0, key_padding_mask=key_padding_mask, causal=causal,
                        residual_scale=residual_scale)
         else:
@@ -329,25 +397,28 @@ class LayerGroup(nn.Module):
     ``x0_keyword``) and, under ``aux_loss``, returns their summed aux with ``x``.
     """
 
-    def __init__(self, blocks: list[Block], *, x0_keyword: bool = False) -> None:
+    def __init__(self, blocks: list[Block], *, x0_keyword: bool = False,
+                 nested: bool = False) -> None:
         super().__init__()
         self.blocks = nn.ModuleList(blocks)
         self.x0_keyword = x0_keyword
+        self.nested = nested
 
     def forward(
         self,
-        x: Tensor,
-        x0: Tensor,
+        x: Tensor | dict[str, Any],
+        x0: Tensor | None = None,
         key_padding_mask: Tensor | None = None,
         *,
         causal: bool = False,
         residual_scale: float = 1.0,
     ) -> Tensor | tuple[Tensor, Tensor]:
+        x, x0 = _unnest(x, x0)
         aux_total: Tensor | None = None
         for block in self.blocks:
             x, aux = _run_layer(_plain_call, block, x, x0, key_padding_mask,
                                 x0_keyword=self.x0_keyword, causal=causal,
-                                residual_scale=residual_scale)
+                                residual_scale=residual_scale, nested=self.nested)
             aux_total = _add(aux_total, aux)
         return x if aux_total is None else (x, aux_total)
 
@@ -393,6 +464,10 @@ class TransformerConfig:
     running_stats: bool = False  # each MLP keeps counters and a running mean in buffers
     fp32_last_layer: bool = False  # the last layer runs with autocast disabled
     frozen_first_layer: bool = False  # the first layer runs under torch.no_grad()
+    nested_inputs: bool = False  # layers get x and x0 nested in a dict, the mask by keyword
+    inplace_ops: bool = False  # in-place dropout, ReLU, score scaling and masking, add_
+    value_hooks: bool = False  # LoRA, input-rescaling and steering hooks change values
+    outside_params: bool = False  # layers read a projection and gates the model owns
 
     def __post_init__(self) -> None:
         for name in ("n_layer", "n_embd", "n_head", "ffn_mult", "vocab_size", "max_seq_len",
@@ -401,7 +476,8 @@ class TransformerConfig:
             if not isinstance(value, int) or value < 1:
                 raise InvalidArgument(f"{name}={value!r}: must be a whole number >= 1")
         for name in ("aux_loss", "x0_keyword", "running_stats", "fp32_last_layer",
-                     "frozen_first_layer"):
+                     "frozen_first_layer", "nested_inputs", "inplace_ops", "value_hooks",
+                     "outside_params"):
             value = getattr(self, name)
             if not isinstance(value, bool):
                 raise InvalidArgument(f"{name}={value!r}: must be true or false")
@@ -432,6 +508,64 @@ def _check_choice(name: str, value: object, choices: tuple[str, ...]) -> None:
         raise InvalidArgument(f"{name}={value!r} is not one of {', '.join(choices)}")
 
 
+def _shared_projection(shared: nn.Linear, h: Tensor) -> Tensor:
+    """The model's projection of a layer's attention values (``outside_params``), in the
+    weight's precision with autocast off: autocast would cast the shared weight once for the
+    whole forward, so that full storage sums its layers' gradients in bf16 where a recompute
+    that casts it per segment sums them in fp32 (both right, as with a layer applied twice)."""
+    with torch.autocast(h.device.type, enabled=False):
+        return F.linear(h.to(shared.weight.dtype), shared.weight).to(h.dtype)
+
+
+def _gate(gates: nn.Parameter, i: int) -> Tensor:
+    """Layer ``i``'s MLP gate out of the model's vector (``outside_params``)."""
+    return gates[i]
+
+
+#: How much the attention and MLP pre-hooks scale their input (``value_hooks``).
+HOOK_INPUT_SCALE = 0.75
+_LORA_RANK = 2
+
+
+def _lora(linear: nn.Linear, rank: int) -> None:
+    """A LoRA pair on ``linear`` (its ``lora_a``, ``lora_b``), added to its output by a
+    forward hook, as hook-based adapters do."""
+    linear.register_parameter("lora_a", nn.Parameter(torch.randn(rank, linear.in_features) * 0.1))
+    linear.register_parameter("lora_b",
+                              nn.Parameter(torch.randn(linear.out_features, rank) * 0.1))
+    linear.register_forward_hook(_lora_delta)
+
+
+def _lora_delta(linear: nn.Module, args: tuple[Any, ...], out: Tensor) -> Tensor:
+    delta = F.linear(F.linear(args[0], linear.get_parameter("lora_a")),
+                     linear.get_parameter("lora_b"))
+    return out + delta
+
+
+def _rescale_input(_module: nn.Module, args: tuple[Any, ...]) -> tuple[Any, ...]:
+    return (args[0] * HOOK_INPUT_SCALE, *args[1:])
+
+
+def _steer(block: nn.Module, _args: tuple[Any, ...], out: Any) -> Any:
+    """Add the layer's steering vector to its hidden state (beside an aux loss, if any)."""
+    steering = block.get_parameter("steering")
+    if isinstance(out, tuple):
+        return (out[0] + steering, *out[1:])
+    return out + steering
+
+
+def _add_value_hooks(block: Block, config: TransformerConfig) -> None:
+    """The ``value_hooks`` of one layer: LoRA on ``attn.qkv`` and ``mlp.fc``, a pre-hook
+    that rescales the attention's and the MLP's input, a steering vector added to the
+    layer's output."""
+    _lora(block.attn.qkv, _LORA_RANK)
+    _lora(block.mlp.fc, _LORA_RANK)
+    block.attn.register_forward_pre_hook(_rescale_input)
+    block.mlp.register_forward_pre_hook(_rescale_input)
+    block.register_parameter("steering", nn.Parameter(torch.randn(config.n_embd) * 0.1))
+    block.register_forward_hook(_steer)
+
+
 class Transformer(RoutedModel):
     router: Router
 
@@ -440,7 +574,7 @@ class Transformer(RoutedModel):
         self.config = config
         self.wte = nn.Embedding(config.vocab_size, config.n_embd)
         self.wpe = nn.Embedding(config.max_seq_len, config.n_embd)
-        self.embd_dropout = nn.Dropout(config.embd_dropout)
+        self.embd_dropout = nn.Dropout(config.embd_dropout, inplace=config.inplace_ops)
         self.blocks = nn.ModuleList(Block(config) for _ in range(config.n_layer))
         cast("Block", self.blocks[-1]).autocast_off = config.fp32_last_layer
         cast("Block", self.blocks[0]).grad_off = config.frozen_first_layer
@@ -453,7 +587,24 @@ class Transformer(RoutedModel):
             self.wpe.weight.requires_grad_(False)
         self.residual_scale = 1.0 / math.sqrt(2.0 * config.n_layer)
         self._groups: list[LayerGroup] = []  # plain list: never in the state_dict
+        # Made last, so that every other weight is the same with the knobs on or off.
+        if config.outside_params:
+            self._reach_outside(config)
+        if config.value_hooks:
+            for block in self.blocks:
+                _add_value_hooks(cast("Block", block), config)
         attach_router(self)
+
+    def _reach_outside(self, config: TransformerConfig) -> None:
+        """Give each layer parameters it reads and the model owns: one projection shared by
+        every attention (through a closure, as a captured weight is) and a gate per layer
+        for the MLP output (read by index out of the model's vector)."""
+        self.shared_proj = nn.Linear(config.n_embd, config.n_embd, bias=False)
+        nn.init.normal_(self.shared_proj.weight, std=0.02)
+        self.mlp_gates = nn.Parameter(torch.linspace(0.8, 1.2, config.n_layer))
+        for i, block in enumerate(cast("list[Block]", list(self.blocks))):
+            block.attn.outside = functools.partial(_shared_projection, self.shared_proj)
+            block.mlp.outside_gate = functools.partial(_gate, self.mlp_gates, i)
 
     def segments(self, granularity: Granularity) -> list[Segment]:
         """The modules that recompute under ``granularity``, in call order."""
@@ -473,7 +624,8 @@ class Transformer(RoutedModel):
     def _group(self, blocks: list[Block], run: range) -> Segment:
         """Layers ``run`` as one segment, which forward then runs in place of its members."""
         members = blocks[run.start:run.stop]
-        group = LayerGroup(members, x0_keyword=self.config.x0_keyword)
+        group = LayerGroup(members, x0_keyword=self.config.x0_keyword,
+                           nested=self.config.nested_inputs)
         object.__setattr__(group, "router", self.router)
         self._groups.append(group)
         return Segment(f"blocks.{run.start}-{run.stop - 1}", group, tuple(members))
@@ -497,7 +649,8 @@ class Transformer(RoutedModel):
             for _ in range(self.config.layer_repeats):
                 x, aux = _run_layer(self.router, layer, x, x0, key_padding_mask,
                                     x0_keyword=self.config.x0_keyword, causal=True,
-                                    residual_scale=self.residual_scale)
+                                    residual_scale=self.residual_scale,
+                                    nested=self.config.nested_inputs)
                 aux_total = _add(aux_total, aux)
         logits: Tensor = self.lm_head(self.norm_f(x))  # (B, T, vocab)
         return logits if aux_total is None else (logits, aux_total)

@@ -102,8 +102,11 @@ def transformer_configs(
     (``dropout_regimes()`` by default), and the shapes real layers have: an
     auxiliary loss beside the hidden state (a tuple out of each layer), each layer
     applied twice (weight sharing), ``x0`` by keyword, running statistics kept in
-    buffers (counters compared exactly). Shrinks towards one layer, one head of
-    width 4, SDPA, pre-LayerNorm, GELU, one tensor out, each layer once, no buffers.
+    buffers (counters compared exactly), tensors nested in containers with none
+    positional, in-place ops, value-changing hooks (LoRA, input rescale, steering) and
+    parameters read from outside the segment's module. Shrinks towards one layer, one
+    head of width 4, SDPA, pre-LayerNorm, GELU, one tensor out, each layer once, no
+    buffers, plain positional inputs, no in-place ops, no hooks, no outside parameters.
     """
     _check_range("layers", min_layers, max_layers)
     if max_width < 4:
@@ -130,6 +133,10 @@ def transformer_configs(
         layer_repeats=draw(st.sampled_from([1, 2])),
         x0_keyword=draw(st.booleans()),
         running_stats=draw(st.booleans()),
+        nested_inputs=draw(st.booleans()),
+        inplace_ops=draw(st.booleans()),
+        value_hooks=draw(st.booleans()),
+        outside_params=draw(st.booleans()),
         **rates,
     )
 

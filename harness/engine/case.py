@@ -46,7 +46,9 @@ _GRAD_MODE_WORDS = {"autograd-grad": "torch.autograd.grad", "accumulate": "2 mic
                     "create-graph": "gradient penalty (create_graph)"}
 _SHAPE_KNOBS = {"aux_loss": "aux loss", "x0_keyword": "x0 by keyword",
                 "running_stats": "running stats", "fp32_last_layer": "last layer autocast off",
-                "frozen_first_layer": "first layer under no_grad"}
+                "frozen_first_layer": "first layer under no_grad",
+                "nested_inputs": "nested inputs", "inplace_ops": "in-place ops",
+                "value_hooks": "value-changing hooks", "outside_params": "outside parameters"}
 
 
 @dataclass(frozen=True)

@@ -6,7 +6,9 @@ untied embeddings, padding on and off, every way of asking for gradients (a
 gradient penalty through ``create_graph`` only for implementations that claim it),
 eval and no_grad forwards before training, layers that return an auxiliary loss, are
 applied twice, take ``x0`` by keyword, keep running statistics in buffers or run
-with autocast disabled inside an autocast forward, and sizes from one layer up to
+with autocast disabled inside an autocast forward, take their tensors nested in
+containers and by keyword only, run in-place ops, carry value-changing hooks or read
+parameters their module does not own, and sizes from one layer up to
 4 layers x 128 wide x 64 tokens (segment inputs of 16k elements) and one layer
 of 128k-element inputs. Cheap cases come first so a broken implementation fails
 fast.
@@ -93,6 +95,15 @@ def default_cases() -> list[Case]:
             grad_mode="create-graph"),
         _case("2L-layer-frozen-first-layer", replace(
             _SMALL, frozen_first_layer=True, **_ALL_DROPOUT), "layer", seed=27),
+        _case("2L-layer-bf16-nested-inputs-dropout", replace(
+            _SMALL, nested_inputs=True, **_ALL_DROPOUT), "layer", "bf16-autocast", seed=33),
+        _case("2L-layer-inplace-ops-manual-attn-relu-dropout", replace(
+            _SMALL, inplace_ops=True, attention="manual", activation="relu", **_ALL_DROPOUT),
+            "layer", seed=34),
+        _case("2L-layer-value-hooks-dropout", replace(_SMALL, value_hooks=True, **_ALL_DROPOUT),
+              "layer", seed=35),
+        _case("2L-layer-outside-params-dropout", replace(
+            _SMALL, outside_params=True, **_ALL_DROPOUT), "layer", seed=36),
         _case("4Lx128x64-layer-dropout", _LARGE, "layer", batch=BatchConfig(2, 64), seed=11),
         _case("4Lx128x64-group2-bf16", _LARGE, "group:2", "bf16-autocast",
               batch=BatchConfig(2, 64), seed=12),

@@ -3,9 +3,13 @@
 ``reference_checkpoint`` is a plain, correct recompute (an autograd.Function:
 forward under no_grad keeping only the inputs, backward re-running the
 segment with the RNG state, autocast state and keyword arguments of the
-first run, buffers put back). The segment's parameters and its tensor keyword
-arguments are inputs of the Function too, and backward returns their gradients
-from ``torch.autograd.grad``: it never writes ``.grad`` itself, so it composes
+first run, buffers put back). Every tensor of the arguments, at the top level, by
+keyword or nested in lists, tuples and dicts, is an input of the Function, and so are
+the segment's parameters and every parameter the first run read that its module does
+not own (a shared projection, a gate the model owns, a weight in a closure: found by a
+TorchFunctionMode over that run, which is why the first run happens before the Function
+is applied and the Function's forward only hands its outputs over). Backward returns
+their gradients from ``torch.autograd.grad``: it never writes ``.grad`` itself, so it composes
 with ``torch.autograd.grad(loss, ...)`` and with gradient accumulation, and a
 tensor passed by keyword gets its gradient. Every output tensor of a tuple
 gets its incoming gradient. Under ``create_graph=True`` (grad mode on in backward)
@@ -28,11 +32,14 @@ import functools
 import weakref
 from collections import deque
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
 from typing import Any
 
 import torch
 from torch import Tensor, nn
+from torch.overrides import TorchFunctionMode
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten, tree_unflatten
 
 
 @dataclass(frozen=True)
@@ -80,6 +87,25 @@ class Faults:
     #                                        inputs also go to a stash nobody clears
     grad_mode_forced_on: bool = False  # the forward runs under enable_grad whatever the
     #                                    caller's grad mode: a no_grad segment builds a graph
+    nested_tensors_no_grad: bool = False  # only top-level tensor arguments are Function
+    #                                       inputs: tensors nested in lists, tuples and dicts
+    #                                       get no gradient
+    rng_devices_from_positional: bool = False  # RNG saved and restored for the devices of
+    #                                            the top-level positional tensors only
+    autocast_device_from_first_arg: bool = False  # autocast state read for the first
+    #                                               positional argument's device ("cuda"
+    #                                               when it is no tensor)
+    matmul_outputs_cached: bool = False  # matmul outputs kept by reference in the forward
+    #                                      and handed back in the recompute: an in-place op
+    #                                      on them is applied twice
+    hooks_skipped_in_recompute: bool = False  # recompute through module.forward: the
+    #                                           segment's own hooks do not run again
+    hooks_run_twice: bool = False  # the segment's forward hooks applied again around a
+    #                                call that already ran them
+    outside_params_no_grad: bool = False  # parameters the segment reads but its module does
+    #                                       not own get no gradient
+    outside_params_grad_doubled: bool = False  # those parameters get their gradient from
+    #                                            the Function and again in .grad
 
 
 @dataclass(frozen=True)
@@ -228,6 +254,43 @@ MUTANTS: tuple[Mutant, ...] = (
                                    "builds a graph, and its weights and everything before it "
                                    "get gradients they must not have (fairscale PR 787 too)",
             "https://github.com/OpenBMB/BMTrain/pull/8"),
+    _mutant("nested_tensors_no_grad", "only top-level tensor arguments become inputs of the "
+                                      "checkpoint's Function: tensors in a list, a tuple or a "
+                                      "dict (HF's position_embeddings=(cos, sin), a pipeline's "
+                                      "list of hidden states) are read as they are and get no "
+                                      "gradient", f"{_PT}/pull/178568"),
+    _mutant("rng_devices_from_positional", "the RNG states saved and restored are those of the "
+                                           "devices of the top-level positional tensors: a "
+                                           "segment whose tensors all come nested or by "
+                                           "keyword recomputes with fresh dropout masks",
+            f"{_PT}/pull/14518"),
+    _mutant("autocast_device_from_first_arg", "the autocast state read for the device of the "
+                                              "first positional argument, 'cuda' when that is "
+                                              "no tensor: a CPU autocast forward whose first "
+                                              "argument is a container recomputes in fp32",
+            f"{_PT}/pull/128671"),
+    _mutant("matmul_outputs_cached", "a policy that keeps matmul outputs by reference and "
+                                     "hands them back to the recompute: an in-place op on one "
+                                     "in the forward (scores scaled and masked in place, an "
+                                     "in-place dropout after a projection) is applied to it "
+                                     "again", f"{_PT}/issues/113737"),
+    _mutant("hooks_skipped_in_recompute", "the recompute calls the segment's forward directly: "
+                                          "its forward hooks and pre-hooks (a LoRA or steering "
+                                          "hook, an input rescale) run in the forward and not "
+                                          "in the recompute", "https://github.com/huggingface/"
+                                                              "peft/issues/2826"),
+    _mutant("hooks_run_twice", "a wrapper that applies the segment's forward hooks itself "
+                               "around a call that already ran them: a steering vector is "
+                               "added twice", f"{_PT}/pull/134310"),
+    _mutant("outside_params_no_grad", "only the segment module's own parameters are inputs of "
+                                      "the checkpoint's Function: a projection the parent "
+                                      "holds, a gate the model owns, a weight in a closure "
+                                      "get no gradient", f"{_PT}/issues/11944"),
+    _mutant("outside_params_grad_doubled", "parameters the segment reads but does not own get "
+                                           "their gradient twice: returned by the Function "
+                                           "and accumulated into .grad by an inner backward "
+                                           "(a shared weight's hook fires twice)",
+            f"{_PT}/issues/81296"),
 )
 
 
@@ -272,13 +335,17 @@ def checkpoint_with_faults(
         kwargs = {k: v.detach() if isinstance(v, Tensor) else v for k, v in kwargs.items()}
     module = function if isinstance(function, nn.Module) else None
     params = [p for p in module.parameters() if p.requires_grad] if module is not None else []
-    kwarg_names = [] if faults.kwarg_tensors_detached else [
-        k for k, v in kwargs.items() if isinstance(v, Tensor)]
-    run = _Run(function, args, kwargs, kwarg_names, faults, module, len(params))
-    tensors = [a for a in args if isinstance(a, Tensor)] + [kwargs[k] for k in kwarg_names]
+    leaves, spec = tree_flatten((args, kwargs))
+    top = {id(a) for a in (*args, *kwargs.values()) if isinstance(a, Tensor)}
+    slots = [i for i, leaf in enumerate(leaves) if isinstance(leaf, Tensor)
+             and (id(leaf) in top or not faults.nested_tensors_no_grad)]
+    run = _Run(function, leaves, spec, slots, args, faults, module)
+    tensors = [leaves[i] for i in slots]
+    outside = _first_run(run, tensors, params)
+    run.n_params = len(params) + len(outside)
     grad_mode = torch.enable_grad() if faults.grad_mode_forced_on else contextlib.nullcontext()
     with grad_mode:
-        out = _Recompute.apply(run, *tensors, *params)  # type: ignore[no-untyped-call]  # untyped
+        out = _Recompute.apply(run, *tensors, *params, *outside)  # type: ignore[no-untyped-call]  # untyped
     if faults.padding_zeroed:
         mask = next((a for a in [*args, *kwargs.values()] if isinstance(a, Tensor)
                      and a.dtype == torch.bool and a.dim() == 2), None)
@@ -287,46 +354,149 @@ def checkpoint_with_faults(
     return out
 
 
+def _first_run(run: _Run, tensors: list[Tensor], params: list[nn.Parameter]
+               ) -> list[nn.Parameter]:
+    """The segment's forward, under no_grad, before the Function is applied: its outputs go
+    to ``run.out``, its RNG and autocast state to ``run.state``; the parameters it read that
+    require grad and are neither its module's nor its inputs come back (they are inputs of
+    the Function too)."""
+    faults = run.faults
+    device_type = tensors[0].device.type if tensors else "cpu"
+    if not faults.rng_captured_late:
+        run.capture(device_type)
+    module = run.module
+    frozen = [b.clone() for b in module.buffers()] \
+        if module is not None and faults.bn_stats_in_recompute_only else []
+    known = {id(t) for t in (*tensors, *params)}
+    reads = _OutsideReads(known) if not faults.outside_params_no_grad \
+        else contextlib.nullcontext(None)
+    cache = _MatmulCache(run.cached, replay=False) if faults.matmul_outputs_cached \
+        else contextlib.nullcontext()
+    with torch.no_grad(), reads as seen, cache:
+        run.out = run.call(tuple(tensors), recompute=False)
+    if frozen and module is not None:
+        with torch.no_grad():
+            for buffer, value in zip(module.buffers(), frozen):
+                buffer.copy_(value)
+    if faults.rng_captured_late:
+        run.capture(device_type)
+    state = run.state
+    assert state is not None
+    if faults.autocast_latched:
+        _LATCHED[:] = [state.autocast]
+    if faults.state_per_module_slot:
+        _SLOT[run.function] = state
+    if faults.state_queue_without_backward:
+        _QUEUE.setdefault(run.function, deque()).append(state)
+    outside = list(seen.found.values()) if seen is not None else []
+    run.outside = outside
+    return outside
+
+
+class _OutsideReads(TorchFunctionMode):
+    """The parameters requiring grad that torch functions read, but for those ``known``."""
+
+    def __init__(self, known: set[int]) -> None:
+        super().__init__()
+        self.known = known
+        self.found: dict[int, nn.Parameter] = {}
+
+    def __torch_function__(self, func: Any, types: Any, args: Any = (),
+                           kwargs: Any = None) -> Any:
+        kwargs = kwargs or {}
+        for arg in (*args, *kwargs.values()):
+            for item in arg if isinstance(arg, (list, tuple)) else (arg,):
+                if isinstance(item, nn.Parameter) and item.requires_grad \
+                        and id(item) not in self.known:
+                    self.found.setdefault(id(item), item)
+        return func(*args, **kwargs)
+
+
+#: The matmul ops whose outputs the matmul-outputs-cached fault keeps.
+_MATMULS = (torch.ops.aten.mm.default, torch.ops.aten.addmm.default,
+            torch.ops.aten.bmm.default)
+
+
+# torch leaves TorchDispatchMode untyped (__init_subclass__, __init__).
+class _MatmulCache(TorchDispatchMode):  # type: ignore[no-untyped-call]
+    """The matmul-outputs-cached fault: the forward keeps each matmul's output by reference
+    (no copy, as a policy that saves matmul outputs keeps them), the recompute hands them
+    back in order instead of computing them. Right while nothing writes to them; an in-place
+    op on one (a scale, a mask, an in-place dropout) is then applied to it a second time."""
+
+    def __init__(self, cache: list[Tensor], *, replay: bool) -> None:
+        super().__init__()  # type: ignore[no-untyped-call]
+        self.cache, self.replay = cache, replay
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (),
+                           kwargs: Any = None) -> Any:
+        if func in _MATMULS and self.replay and self.cache:
+            return self.cache.pop(0)
+        out = func(*args, **(kwargs or {}))
+        if func in _MATMULS and not self.replay:
+            self.cache.append(out)
+        return out
+
+
 @dataclass
 class _State:
     """What the first run had and the recompute must have again."""
 
-    cpu_rng: Tensor
-    cuda_rng: list[Tensor] | None
+    cpu_rng: Tensor | None  # None: not saved (rng-devices-from-positional without a CPU arg)
+    cuda_rng: list[Tensor | None] | None
     autocast: tuple[str, bool, torch.dtype]  # device type, enabled, dtype
 
 
 @dataclass
 class _Run:
     function: Callable[..., Any]
-    args: tuple[Any, ...]
-    kwargs: dict[str, Any]
-    kwarg_names: list[str]  # the tensor keyword arguments, passed as Function inputs
+    leaves: list[Any]  # the arguments ``(args, kwargs)`` flattened
+    spec: Any  # their tree structure
+    slots: list[int]  # the leaves that are Function inputs (tensors)
+    positional: tuple[Any, ...]  # the top-level positional arguments, as given
     faults: Faults
     module: nn.Module | None
-    n_params: int
+    n_params: int = 0  # parameters among the Function inputs: own, then outside
     state: _State | None = None
+    out: Any = None  # the first run's outputs, until the Function hands them over
+    outside: list[nn.Parameter] = field(default_factory=list)
+    cached: list[Tensor] = field(default_factory=list)  # matmul-outputs-cached
 
     def capture(self, device_type: str) -> _State:
         """RNG and autocast state now; autocast off is kept as off, on ``device_type``."""
-        cuda_rng = None
+        faults = self.faults
+        cuda_rng: list[Tensor | None] | None = None
         if torch.cuda.is_available() and torch.cuda.is_initialized():  # type: ignore[no-untyped-call]
             cuda_rng = [torch.cuda.get_rng_state(d) for d in range(torch.cuda.device_count())]
+        cpu_rng: Tensor | None = torch.get_rng_state()
+        if faults.rng_devices_from_positional:
+            devices = {a.device for a in self.positional if isinstance(a, Tensor)}
+            cpu_rng = cpu_rng if any(d.type == "cpu" for d in devices) else None
+            cuda_rng = [s if torch.device("cuda", d) in devices else None
+                        for d, s in enumerate(cuda_rng)] if cuda_rng else None
         autocast = (device_type, False, torch.get_autocast_dtype(device_type))
-        for kind in ("cuda", "cpu"):
-            if torch.is_autocast_enabled(kind):
-                autocast = (kind, True, torch.get_autocast_dtype(kind))
-                break
-        self.state = _State(torch.get_rng_state(), cuda_rng, autocast)
+        if faults.autocast_device_from_first_arg:
+            first = self.positional[0] if self.positional else None
+            kind = first.device.type if isinstance(first, Tensor) else "cuda"
+            autocast = (kind, torch.is_autocast_enabled(kind), torch.get_autocast_dtype(kind))
+        else:
+            for kind in ("cuda", "cpu"):
+                if torch.is_autocast_enabled(kind):
+                    autocast = (kind, True, torch.get_autocast_dtype(kind))
+                    break
+        self.state = _State(cpu_rng, cuda_rng, autocast)
         return self.state
 
     def call(self, tensors: tuple[Tensor, ...], recompute: bool,
              swap: dict[str, Tensor] | None = None) -> Any:
-        """The segment on ``tensors`` (positional tensors, then the tensor kwargs); ``swap``:
-        parameters and buffers of the segment module replaced for the call, by name."""
-        it = iter(tensors)
-        args = tuple(next(it) if isinstance(a, Tensor) else a for a in self.args)
-        kwargs = dict(self.kwargs) | {k: next(it) for k in self.kwarg_names}
+        """The segment on ``tensors`` (the Function's tensor inputs, in their places among
+        the arguments); ``swap``: parameters and buffers of the segment module replaced for
+        the call, by name."""
+        leaves = list(self.leaves)
+        for i, tensor in zip(self.slots, tensors):
+            leaves[i] = tensor
+        args, kwargs = tree_unflatten(leaves, self.spec)
+        args = tuple(args)
         if self.faults.kwargs_dropped and recompute:
             kwargs = {}
         blocks = getattr(self.function, "blocks", None)
@@ -335,7 +505,15 @@ class _Run:
             return _unchained(blocks, args, kwargs)
         if swap is not None and isinstance(self.function, nn.Module):
             return torch.func.functional_call(self.function, swap, args, kwargs)
-        return self.function(*args, **kwargs)
+        if self.faults.hooks_skipped_in_recompute and recompute \
+                and isinstance(self.function, nn.Module):
+            return self.function.forward(*args, **kwargs)
+        out = self.function(*args, **kwargs)
+        if self.faults.hooks_run_twice and isinstance(self.function, nn.Module):
+            for hook in self.function._forward_hooks.values():
+                changed = hook(self.function, args, out)
+                out = out if changed is None else changed
+        return out
 
 
 def _unchained(blocks: nn.ModuleList, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
@@ -349,30 +527,12 @@ def _unchained(blocks: nn.ModuleList, args: tuple[Any, ...], kwargs: dict[str, A
 class _Recompute(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, run: _Run, *inputs: Tensor) -> Any:
+        """Hands over the first run's outputs (``_first_run``) and saves the tensor inputs."""
         faults = run.faults
         tensors = inputs[:len(inputs) - run.n_params]
         ctx.run = run
         ctx.set_materialize_grads(False)  # an unused output's gradient stays None
-        device_type = tensors[0].device.type if tensors else "cpu"
-        if not faults.rng_captured_late:
-            state = run.capture(device_type)
-        module = run.module
-        frozen = [b.clone() for b in module.buffers()] \
-            if module is not None and faults.bn_stats_in_recompute_only else []
-        with torch.no_grad():
-            out = run.call(tensors, recompute=False)
-        if frozen and module is not None:
-            with torch.no_grad():
-                for buffer, value in zip(module.buffers(), frozen):
-                    buffer.copy_(value)
-        if faults.rng_captured_late:
-            state = run.capture(device_type)
-        if faults.autocast_latched:
-            _LATCHED[:] = [state.autocast]
-        if faults.state_per_module_slot:
-            _SLOT[run.function] = state
-        if faults.state_queue_without_backward:
-            _QUEUE.setdefault(run.function, deque()).append(state)
+        out, run.out = run.out, None
         if faults.large_boundary_compressed:
             ctx.dtypes = [t.dtype for t in tensors]
             ctx.needs = [t.requires_grad for t in tensors]
@@ -413,12 +573,14 @@ class _Recompute(torch.autograd.Function):
         module = run.module
         named = [(n, p) for n, p in module.named_parameters() if p.requires_grad] \
             if module is not None else []
-        params = [p for _, p in named]
+        # Then the parameters it read and does not own: read through the closure or the
+        # module that holds them, so never aliased (the base claims no create-graph).
+        params = [p for _, p in named] + run.outside
         swap: dict[str, Tensor] | None = None
         if double and module is not None:
             swap = {n: p.view_as(p) for n, p in named}
             swap |= {n: b.clone() for n, b in module.named_buffers()}
-        wrt = [swap[n] for n, _ in named] if swap is not None else params
+        wrt = [*(swap[n] for n, _ in named), *run.outside] if swap is not None else params
         buffers = [b.clone() for b in module.buffers()] \
             if module is not None and swap is None else []
         first = run.function not in _RECOMPUTED
@@ -429,8 +591,11 @@ class _Recompute(torch.autograd.Function):
         if faults.state_queue_without_backward and _QUEUE.get(run.function):
             state = _QUEUE[run.function].popleft()
         assert state is not None
-        with _recompute_state(run, state, first), torch.enable_grad():
+        cache = _MatmulCache(run.cached, replay=True) if faults.matmul_outputs_cached \
+            else contextlib.nullcontext()
+        with _recompute_state(run, state, first), torch.enable_grad(), cache:
             out = run.call(inputs, recompute=True, swap=swap)
+        run.cached.clear()
         if faults.recomputed_kept:
             _KEPT_OUTPUTS[run.function] = out
         outs = out if isinstance(out, tuple) else (out,)
@@ -460,6 +625,11 @@ class _Recompute(torch.autograd.Function):
                     buffer.copy_(value)
         if faults.input_grads_dropped:
             input_grads = input_grads[:1] + [None] * (len(input_grads) - 1)
+        if faults.outside_params_grad_doubled:  # an inner backward's .grad kept as well
+            with torch.no_grad():
+                for p, g in zip(run.outside, param_grads[len(named):]):
+                    if g is not None:
+                        p.grad = g.detach().clone() if p.grad is None else p.grad + g
         return (None, *input_grads, *param_grads)
 
 
@@ -496,10 +666,12 @@ def _recompute_state(run: _Run, state: _State, first: bool) -> Iterator[None]:
         if faults.reseeded:
             torch.manual_seed(0)
         elif not (faults.no_rng_restore or (faults.rng_lost_on_first_call and first)):
-            torch.set_rng_state(state.cpu_rng)
+            if state.cpu_rng is not None:
+                torch.set_rng_state(state.cpu_rng)
             if state.cuda_rng and not faults.cuda_rng_not_restored:
                 for device, cuda_state in enumerate(state.cuda_rng):
-                    torch.cuda.set_rng_state(cuda_state, device)
+                    if cuda_state is not None:
+                        torch.cuda.set_rng_state(cuda_state, device)
         device_type, enabled, dtype = _LATCHED[0] if faults.autocast_latched else state.autocast
         if faults.autocast_forced_on:
             enabled = state.autocast is not None  # the truthiness bug: any saved state is "on"

@@ -13,6 +13,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.utils._pytree import tree_flatten, tree_leaves, tree_unflatten
 
 from gradequiv.harness.errors import InvalidArgument
 
@@ -63,15 +64,24 @@ def torch_reentrant_checkpoint(function: Callable[..., Any], *args: Any, **kwarg
 
 def tensors_positional(function: Callable[..., Any], args: tuple[Any, ...],
                        kwargs: dict[str, Any]) -> tuple[Callable[..., Any], tuple[Any, ...]]:
-    """For a checkpoint that takes positional inputs only: a call taking the tensor keyword
-    arguments after ``args``, and those inputs; other keyword arguments are bound.
+    """For a checkpoint that takes positional inputs only: a call taking every tensor of the
+    arguments positionally (top-level positional tensors where they were, then the tensors
+    of keyword arguments and those nested in lists, tuples and dicts), and those inputs; the
+    rest is bound.
 
-    A tensor bound by a closure (``functools.partial``) is invisible to a reentrant
-    checkpoint's autograd.Function: its gradient goes through the checkpoint's inner
-    backward into the caller's graph, which the outer backward then walks a second time
-    (Megatron-LM PR 4765, DeepSpeed PR 8182). Passed positionally, it is an input.
+    A tensor bound by a closure (``functools.partial``) or nested in a container is
+    invisible to a reentrant checkpoint's autograd.Function: its gradient goes through the
+    checkpoint's inner backward into the caller's graph, which the outer backward then walks
+    a second time, or is lost (Megatron-LM PR 4765, DeepSpeed PR 8182, pytorch #124725).
+    Passed positionally, it is an input.
     """
+    nested = any(not isinstance(a, torch.Tensor) and any(
+        isinstance(leaf, torch.Tensor) for leaf in tree_leaves(a)) for a in args)
     names = [k for k, v in kwargs.items() if isinstance(v, torch.Tensor)]
+    nested = nested or any(not isinstance(v, torch.Tensor) and any(
+        isinstance(leaf, torch.Tensor) for leaf in tree_leaves(v)) for v in kwargs.values())
+    if nested:
+        return _pytree_positional(function, args, kwargs)
     if not names:
         return (functools.partial(function, **kwargs) if kwargs else function), args
     bound = {k: v for k, v in kwargs.items() if k not in names}
@@ -81,6 +91,23 @@ def tensors_positional(function: Callable[..., Any], args: tuple[Any, ...],
         return function(*inputs[:count], **bound, **dict(zip(names, inputs[count:])))
 
     return call, (*args, *(kwargs[n] for n in names))
+
+
+def _pytree_positional(function: Callable[..., Any], args: tuple[Any, ...],
+                       kwargs: dict[str, Any]) -> tuple[Callable[..., Any], tuple[Any, ...]]:
+    """Every tensor leaf of ``(args, kwargs)`` as a positional input; the call rebuilds the
+    containers around them."""
+    leaves, spec = tree_flatten((args, kwargs))
+    slots = [i for i, leaf in enumerate(leaves) if isinstance(leaf, torch.Tensor)]
+
+    def call(*inputs: Any) -> Any:
+        filled = list(leaves)
+        for i, tensor in zip(slots, inputs):
+            filled[i] = tensor
+        call_args, call_kwargs = tree_unflatten(filled, spec)
+        return function(*call_args, **call_kwargs)
+
+    return call, tuple(leaves[i] for i in slots)
 
 
 #: torch documents that the reentrant variant does not support ``torch.autograd.grad`` (it
