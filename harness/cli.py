@@ -93,6 +93,10 @@ def build_parser() -> argparse.ArgumentParser:
                        help="seed of the drawn cases, added to the named cases' seeds "
                             "(default 0)")
     check.add_argument("--device", choices=DEVICES, default="auto")
+    check.add_argument("--threads", default=None, metavar="N|auto",
+                       help="torch's intra-op threads for the run (default 1, or "
+                            "GRADEQUIV_THREADS): more only slows the suite's tiny tensors, "
+                            "badly beside other jobs; auto: torch's default (OMP_NUM_THREADS)")
     check.add_argument("--case", default=None, metavar="NAME|JSON",
                        help="replay one case: its JSON, a .json file holding it, or a named case")
     check.add_argument("--rtol", default=None,
@@ -247,7 +251,15 @@ def options_from_args(args: argparse.Namespace) -> CheckOptions:
         examples=args.examples, profile=args.profile, device=args.device,
         report_dir=args.report_dir, case=args.case, rtol=args.rtol, atol=args.atol,
         shrink=not args.no_shrink, shrink_budget=args.shrink_budget,
-        shard=args.shard or (1, 1), model=args.model, deterministic=args.deterministic)
+        shard=args.shard or (1, 1), model=args.model, deterministic=args.deterministic,
+        threads=_threads(args.threads))
+
+
+def _threads(given: str | None) -> Any:
+    """--threads, else GRADEQUIV_THREADS (a CI job's setting), else 1."""
+    if given is not None:
+        return given
+    return validate.threads("GRADEQUIV_THREADS", os.environ.get("GRADEQUIV_THREADS", "1"))
 
 
 @contextlib.contextmanager

@@ -63,6 +63,9 @@ class CheckOptions:
     shard: tuple[int, int] = (1, 1)  # (i, n): this run is shard i of n, 1-based
     model: str | None = None  # a user's model factory (package.module:attr) instead of ours
     deterministic: bool = False
+    #: torch's intra-op threads for the run (None: torch's default). One: the suite's tiny
+    #: tensors gain nothing from more, and lose much beside other jobs on the same cores.
+    threads: int | None = 1
     kwargs: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)
 
     @property
@@ -120,6 +123,7 @@ def check_options(
     shard: Any = (1, 1),
     model: str | None = None,
     deterministic: Any = False,
+    threads: Any = 1,
 ) -> CheckOptions:
     """Validate raw option values (strings from a command line, or typed) into the options.
 
@@ -155,6 +159,7 @@ def check_options(
         shard=validate.shard(flag("shard"), shard),
         model=model,
         deterministic=validate.boolean(flag("deterministic"), deterministic),
+        threads=validate.threads(flag("threads"), threads),
         kwargs=validate.impl_kwargs(kwargs_given, name=flag("impl-kwarg")),
     )
 

@@ -24,6 +24,7 @@ __all__ = [
     "impl_kwargs",
     "seed",
     "shard",
+    "threads",
     "whole_number",
 ]
 
@@ -99,6 +100,27 @@ def shard(name: str, value: Any) -> tuple[int, int]:
         raise InvalidArgument(f"{name}={value!r} is not I/N with 1 <= I <= N; "
                               f"write e.g. {name} 2/4")
     return parsed
+
+
+#: The most intra-op threads a run may ask for: more is a typo, not a machine.
+MAX_THREADS = 1024
+
+
+def threads(name: str, value: Any) -> int | None:
+    """torch's intra-op thread count: a whole number from 1 to :data:`MAX_THREADS`, or
+    ``auto`` (None: torch's own default, which follows OMP_NUM_THREADS)."""
+    if value is None or str(value).strip().lower() == "auto":
+        return None
+    example = f"{name}=1" if name.isupper() else f"{name} 1"  # an environment variable's
+    if isinstance(value, bool) or not str(value).strip().isdigit():
+        raise InvalidArgument(f"{name}={value!r} is not a thread count: a whole number from 1 "
+                              f"to {MAX_THREADS}, or auto for torch's default; write e.g. "
+                              f"{example}")
+    count = int(str(value).strip())
+    if not 1 <= count <= MAX_THREADS:
+        raise InvalidArgument(f"{name}={count}: must be from 1 to {MAX_THREADS}, or auto for "
+                              f"torch's default; write e.g. {example}")
+    return count
 
 
 def choice(name: str, value: Any, choices: Iterable[str]) -> str:

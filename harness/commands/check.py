@@ -16,6 +16,7 @@ import contextlib
 import os
 import sys
 import tempfile
+from collections.abc import Iterator
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -36,6 +37,30 @@ def run(options: CheckOptions, *, observer: Any = None) -> int:
     ``observer`` (a ``properties.runtime.RunObserver``) is the supervisor's channel;
     without one this process owns the report folder and locks it itself.
     """
+    with torch_threads(options.threads):  # before anything runs, the user's model included
+        return _run(options, observer)
+
+
+@contextlib.contextmanager
+def torch_threads(count: int | None) -> Iterator[None]:
+    """torch's intra-op threads at ``count`` (None: left as they are) for a run, then back.
+
+    Set once, before the first case: each case snapshots torch's switches, the
+    thread count among them, and holds every path to that snapshot.
+    """
+    import torch
+
+    before = torch.get_num_threads()
+    if count is not None:
+        torch.set_num_threads(count)
+    try:
+        yield
+    finally:
+        if count is not None:
+            torch.set_num_threads(before)
+
+
+def _run(options: CheckOptions, observer: Any) -> int:
     # torch is imported here, not at module import, so --help and usage errors stay fast.
     from gradequiv.harness.engine.compare import Tolerance
     from gradequiv.harness.engine.devices import resolve_device
@@ -75,8 +100,10 @@ def _run_suite(options: CheckOptions, impl: Any, device: Any, observer: Any) -> 
     import torch
 
     shard = "" if options.shard == (1, 1) else f", shard {options.shard[0]}/{options.shard[1]}"
+    count = torch.get_num_threads()
+    threads = f"{count} thread{'s' if count != 1 else ''} (--threads {options.threads or 'auto'})"
     print(f"gradequiv check: {impl.spec} ({impl.adapter}) on {device}, torch "
-          f"{torch.__version__}, {torch.get_num_threads()} threads{shard}", flush=True)
+          f"{torch.__version__}, {threads}{shard}", flush=True)
     # Failures are printed once, by the plugin's summary, not again by pytest's tracebacks
     # and short summary (which would name the suite's temporary folder).
     code = run_suite(SuiteRun(options, impl, observer), ["-q", "--tb=no", "-rN"])
@@ -117,7 +144,8 @@ def run_suite(suite_run: SuiteRun, pytest_args: list[str]) -> int:
             "-W", "ignore::pytest.PytestAssertRewriteWarning", *pytest_args]
     if os.environ.get("PYTEST_DISABLE_PLUGIN_AUTOLOAD"):
         args += ["-p", "gradequiv.properties.plugin"]
-    with tempfile.TemporaryDirectory(prefix="gradequiv-") as folder:
+    with torch_threads(suite_run.options.threads), \
+            tempfile.TemporaryDirectory(prefix="gradequiv-") as folder:
         ini = Path(folder) / "pytest.ini"
         ini.write_text("[pytest]\n", encoding="utf-8")
         return int(pytest.main(["-c", str(ini), f"--rootdir={folder}", *args],
