@@ -89,7 +89,7 @@ class GranularityProfile:
     extra_backward_s: float = 0.0  # p50 backward minus that of "none"
     overhead_vs_none: float = 0.0  # p50 step time / that of "none" - 1
     memory_saved_vs_none: float = 0.0  # 1 - held bytes / those of "none"
-    on_frontier: bool = False
+    on_frontier: bool = False  # no other row beats it on both peak bytes and p50 step time
     held_on: dict[str, int] = field(default_factory=dict)  # held bytes by device (offload)
     # CUDA only (None elsewhere): the caching allocator's own view of the same step.
     cuda_allocated_held_bytes: int | None = None  # memory_allocated() after forward - before
@@ -355,7 +355,9 @@ def profile(
             row.overhead_vs_none = row.step_s["p50"] / baseline.step_s["p50"] - 1
             row.memory_saved_vs_none = (1 - row.held_bytes / baseline.held_bytes
                                         if baseline.held_bytes else 0.0)
-    for row, on in zip(rows, pareto_frontier([(r.held_bytes, r.step_s["p50"]) for r in rows])):
+    # The frontier is of the step's peak, the memory that must fit: a granularity that
+    # holds little but recomputes a large segment at once saves less than it seems.
+    for row, on in zip(rows, pareto_frontier([(peak_bytes(r), r.step_s["p50"]) for r in rows])):
         row.on_frontier = on
     conditions = {"torch": torch.__version__, "device": str(device),
                   "threads": torch.get_num_threads(), "dtype": case.dtype,
@@ -380,7 +382,8 @@ def recommend(rows: list[GranularityProfile], *, batch: int, unit: str = "tokens
               memory_budget: int | None = None) -> dict[str, Any]:
     """The frontier's knee, and with ``memory_budget`` what fits it.
 
-    The knee: walk the frontier from its fastest point towards less memory; the knee
+    The knee: walk the frontier (:func:`peak_bytes` against p50 step time) from its
+    fastest point towards less memory; the knee
     is the last point before a step whose time per byte saved is more than
     ``KNEE_FACTOR`` times that of all the steps before it together (or the last point,
     when no step is). With a budget: the fastest granularity whose peak fits, and per
@@ -388,7 +391,7 @@ def recommend(rows: list[GranularityProfile], *, batch: int, unit: str = "tokens
     batch, so the measured peak per sample times the batch), with its rate as measured.
     """
     frontier = sorted((r for r in rows if r.on_frontier),
-                      key=lambda r: (r.step_s["p50"], -r.held_bytes))
+                      key=lambda r: (r.step_s["p50"], -peak_bytes(r)))
     knee, why = frontier[0], "it is the only point on the frontier"
     if len(frontier) > 1:
         why = (f"no step along the frontier costs more than {KNEE_FACTOR:g}x the time per MiB "
@@ -397,22 +400,24 @@ def recommend(rows: list[GranularityProfile], *, batch: int, unit: str = "tokens
         knee = frontier[-1]
         start = frontier[0]
         for before, after in zip(frontier, frontier[1:]):
-            saved_so_far = start.held_bytes - before.held_bytes
-            step_saved = before.held_bytes - after.held_bytes
+            saved_so_far = peak_bytes(start) - peak_bytes(before)
+            step_saved = peak_bytes(before) - peak_bytes(after)
             so_far = (_ms_per_mib(before.step_s["p50"] - start.step_s["p50"], saved_so_far)
                       if before is not start else None)
             this = _ms_per_mib(after.step_s["p50"] - before.step_s["p50"], step_saved)
             if so_far is not None and this > KNEE_FACTOR * so_far:
                 knee = before
-                why = (f"reaching it from {start.granularity} costs {so_far:.2f} ms per MiB "
-                       f"saved; going on to {after.granularity} costs {this:.2f} ms per MiB, "
+                why = (f"reaching it from {start.granularity} costs {so_far:.2f} ms of step time "
+                       f"per MiB of peak saved; going on to {after.granularity} costs "
+                       f"{this:.2f} ms per MiB, "
                        f"{this / so_far if so_far else float('inf'):.1f}x as much (more than "
                        f"{KNEE_FACTOR:g}x is clearly more)")
                 break
     result: dict[str, Any] = {
-        "rule": (f"the knee: along the frontier from its fastest point, the last granularity "
-                 f"before a step whose step time per byte saved is more than "
-                 f"{KNEE_FACTOR:g}x that of the steps before it together"),
+        "rule": (f"the knee: along the frontier (peak activation bytes against p50 step "
+                 f"time) from its fastest point, the last granularity before a step whose "
+                 f"step time per byte of peak saved is more than {KNEE_FACTOR:g}x that of the "
+                 f"steps before it together"),
         "knee": knee.granularity, "why": why, "memory_budget": memory_budget}
     if memory_budget is None:
         return result

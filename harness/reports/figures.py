@@ -85,7 +85,8 @@ def _heat_value(error: float, low: float, high: float) -> float:
 
 
 def frontier_png(profile: dict[str, Any]) -> bytes | None:
-    """Activation memory against step time per granularity, the Pareto frontier in red."""
+    """Peak activation memory against step time per granularity, the Pareto frontier in
+    red."""
     plt = _pyplot()
     fig = frontier_figure(profile)
     if plt is None or fig is None:
@@ -133,14 +134,15 @@ def frontier_figure(profile: dict[str, Any]) -> Any:
     rows = profile["rows"]
     fig, ax = plt.subplots(figsize=(6, 4.4), dpi=120)
     xs = [r["step_s"]["p50"] * 1e3 for r in rows]
-    ys = [r["held_bytes"] / 2**20 for r in rows]
+    # the step's peak, the memory that must fit (files before it was recorded: held bytes)
+    ys = [max(r["held_bytes"], r.get("peak_backward_bytes", 0)) / 2**20 for r in rows]
     ax.scatter(xs, ys, s=_MARKER_PT**2, zorder=3, clip_on=False,
                color=["tab:red" if r["on_frontier"] else "tab:gray" for r in rows])
     frontier = sorted((x, y) for x, y, r in zip(xs, ys, rows) if r["on_frontier"])
     if frontier:
         ax.plot(*zip(*frontier), color="tab:red", linewidth=1, label="frontier", zorder=2)
     ax.set_xlabel("step time p50 (ms)")
-    ax.set_ylabel("activation memory held (MiB)")
+    ax.set_ylabel("activation memory at its peak (MiB)")
     ax.set_title(frontier_title(profile), fontsize=8)
     names = [str(r["granularity"]) for r in rows]
     for margin in _FRONTIER_MARGINS:
