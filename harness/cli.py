@@ -18,12 +18,13 @@ import os
 import signal
 import sys
 import threading
+import traceback
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any, NoReturn
 
 from gradequiv.harness import validate
-from gradequiv.harness.errors import EXIT_INTERRUPTED, EXIT_USAGE, InvalidArgument
+from gradequiv.harness.errors import EXIT_FAIL, EXIT_INTERRUPTED, EXIT_USAGE, InvalidArgument
 from gradequiv.harness.implementations.resolve import BUILTINS
 from gradequiv.harness.options import ADAPTERS, DEVICES, PROFILES, CheckOptions, check_options
 from gradequiv.harness.reports.files import RENDERED
@@ -194,21 +195,29 @@ def main(argv: list[str] | None = None) -> int:
     from gradequiv.harness.commands.supervise import ChildChannel
 
     channel = ChildChannel.from_environment()
-    code = _run(sys.argv[1:] if argv is None else argv, channel)
+    try:
+        code = _run(sys.argv[1:] if argv is None else argv, channel)
+    except Exception as exc:
+        if channel is None:
+            raise
+        # In a supervised child, a fault of the harness itself (the implementation's own
+        # are caught as its verdicts) is said as ours, not as the implementation's end.
+        traceback.print_exc()
+        print(f"gradequiv: internal error: {type(exc).__name__}: {exc}; this is a fault of "
+              f"gradequiv, not of the implementation: please report it with the traceback "
+              f"above", file=sys.stderr)
+        code = EXIT_FAIL
     if channel is not None:
         channel.ended(code)
     return code
 
 
 def entry() -> NoReturn:
-    """The console script: main, and an exit that does not wait for threads an
-    implementation left running (they would hang the process after its verdict)."""
+    """The console script: main, and an exit that does not wait for threads left running
+    (they would hang the process after its verdict; the implementation's were named)."""
     code = main()
-    stray = [t.name for t in threading.enumerate()
-             if t is not threading.main_thread() and t.is_alive() and not t.daemon]
-    if stray:
-        print(f"gradequiv: warning: the implementation left {len(stray)} thread(s) running "
-              f"({', '.join(stray)}); exiting without waiting for them", file=sys.stderr)
+    if any(t is not threading.main_thread() and t.is_alive() and not t.daemon
+           for t in threading.enumerate()):
         sys.stdout.flush()
         sys.stderr.flush()
         os._exit(code)
@@ -225,9 +234,15 @@ def _run(argv: list[str], channel: Any) -> int:
                     from gradequiv.harness.commands import supervise
 
                     return supervise.run(options, argv, case_timeout=args.case_timeout)
-                from gradequiv.harness.commands import check
+                from gradequiv.harness.commands import check, leftovers, supervise
 
-                return check.run(options, observer=channel)
+                if channel is not None:
+                    supervise.stop_quietly_on_hang()
+                leftovers.watch()  # what runs from here on may be the implementation's
+                try:
+                    return check.run(options, observer=channel)
+                finally:
+                    _say_leftovers()
             module = _MODULES[args.command]
             command = importlib.import_module(f"gradequiv.harness.commands.{module}")
             return int(command.run(args))
@@ -237,6 +252,17 @@ def _run(argv: list[str], channel: Any) -> int:
     except KeyboardInterrupt:
         print("gradequiv: interrupted", file=sys.stderr)
         return EXIT_INTERRUPTED
+
+
+def _say_leftovers() -> None:
+    """Warn of the threads and processes the implementation left running (stopping the
+    processes, which would hold the run's output open); nothing for anyone else's."""
+    from gradequiv.harness.commands import leftovers
+
+    left = leftovers.left_running()
+    for line in left.warnings():
+        print(f"gradequiv: warning: {line}", file=sys.stderr)
+    leftovers.stop(left.processes)
 
 
 #: subcommand -> its module in gradequiv.harness.commands

@@ -334,10 +334,10 @@ def leaves_a_forward_hook(fn: Any, *args: Any, **kwargs: Any) -> Any:
 
 
 def prints_and_fails(fn: Any, *args: Any, **kwargs: Any) -> Any:
-    """Print-debugging in a wrong implementation (its gradients scaled): what it prints
-    must reach the user."""
+    """Print-debugging in a wrong implementation (no RNG restore): what it prints must
+    reach the user."""
     import sys
 
     print(f"debug: checkpointing {getattr(fn, '__qualname__', fn)}")
     print("debug: about to recompute", file=sys.stderr)
-    return scaled_output(fn, *args, **kwargs)
+    return _checkpoint(fn, *args, preserve_rng_state=False, **kwargs)

@@ -52,6 +52,19 @@ def run(args: Any) -> int:
     return 0
 
 
+def write_markdown(folder: Path) -> Path | None:
+    """report.md beside the folder's report.json (``check --report-dir`` writes both); None
+    when there is no report.json to render."""
+    from gradequiv.harness.reports.bundle import load_bundle
+    from gradequiv.harness.reports.files import write_text_atomic
+
+    if not (folder / REPORT_FILE).exists():
+        return None
+    path = folder / FORMATS["md"]
+    write_text_atomic(path, render("md", load_bundle(folder)))
+    return path
+
+
 def run_problems(report: dict[str, Any] | None, run_id: str) -> tuple[str | None, str | None]:
     """Why ``report`` is not run ``run_id``'s (first) or not its whole verdict (second)."""
     if report is None:

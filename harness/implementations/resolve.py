@@ -12,6 +12,7 @@ import importlib
 import inspect
 import os
 import pkgutil
+import re
 import sys
 from collections.abc import Callable
 from importlib.metadata import entry_points
@@ -115,6 +116,7 @@ def _from_reference(spec: str) -> Any:
             f"--impl={spec!r} is not a built-in ({', '.join(names)}), nor an entry point in "
             f"{ENTRY_POINT_GROUP!r}, nor a 'module:attr' reference; {fix}"
         )
+    _check_reference(spec, module_name, attr)
     if os.getcwd() not in sys.path:  # the module may live in the current directory
         sys.path.insert(0, os.getcwd())
     try:
@@ -126,6 +128,9 @@ def _from_reference(spec: str) -> Any:
         ) from exc
     try:
         return pkgutil.resolve_name(spec)
+    except (ValueError, ImportError) as exc:  # e.g. an attribute whose import fails
+        raise InvalidArgument(f"--impl={spec!r} could not be resolved: {type(exc).__name__}: "
+                              f"{exc}; check the name") from exc
     except AttributeError as exc:
         public = [n for n in dir(module) if not n.startswith("_")]
         hint = difflib.get_close_matches(attr.split(".")[-1], public, n=1)
@@ -134,6 +139,25 @@ def _from_reference(spec: str) -> Any:
             f"--impl={spec!r} could not be resolved: module {module_name!r} has no attribute "
             f"{attr!r}; {fix}"
         ) from exc
+
+
+_DOTTED = re.compile(r"[^\W\d]\w*(\.[^\W\d]\w*)*")
+
+
+def _check_reference(spec: str, module_name: str, attr: str) -> None:
+    """A 'module:attr' reference is a dotted module path, one colon, a dotted attribute
+    path; anything else is refused here, in words, before pkgutil's "invalid format"."""
+    if ":" in attr:
+        *parts, last = spec.split(":")
+        raise InvalidArgument(
+            f"--impl={spec!r} has {spec.count(':')} colons; a 'module:attr' reference has "
+            f"one, between the module's dotted path and the attribute: did you mean "
+            f"'{'.'.join(parts)}:{last}'?")
+    for part, what in ((module_name, "module"), (attr, "attribute")):
+        if not _DOTTED.fullmatch(part):
+            raise InvalidArgument(
+                f"--impl={spec!r}: {part!r} is not a dotted Python name, so it cannot be the "
+                f"{what} of a 'module:attr' reference; write e.g. 'mypkg.recompute:checkpoint'")
 
 
 def _require(spec: str, kwargs: dict[str, Any] | None) -> None:
