@@ -166,6 +166,9 @@ def pytest_configure(config: pytest.Config) -> None:
     if worker and options.impl and options.device != "cpu":
         _pin_worker_gpu(worker)
     config.pluginmanager.register(_Gatherer(config), "gradequiv-gatherer")
+    capture = config.pluginmanager.getplugin("capturemanager")
+    if runtime.RUN.pytest_args is None and capture is not None:  # pytest shows none of it
+        _CaseOutput(capture).listen(runtime.RUN)
     if not hasattr(config, "workerinput"):  # xdist workers cannot write to the terminal
         runtime.RUN.cache.on_verdict = _Progress(config)
 
@@ -219,6 +222,44 @@ class _Progress:
             if getattr(reporter._tw, "width_of_current_line", 0):  # after pytest's dots
                 reporter.write_line("")
             reporter.write_line(line)
+
+
+class _CaseOutput:
+    """What the implementation printed during each case, kept on a failing case's record.
+
+    In a ``gradequiv check`` run pytest captures the suite's stdout and stderr
+    and, with its tracebacks off, shows none of it: print-debugging in an
+    implementation would show nothing. The capture is read when a case starts
+    (what came before is not the case's) and when its record is made.
+    """
+
+    def __init__(self, capture: Any) -> None:
+        self.capture = capture
+
+    def listen(self, run: runtime.SuiteState) -> None:
+        before = run.cache.on_start
+
+        def started(impl: Any, case: Any, device: Any) -> None:
+            self._read()
+            if before is not None:
+                before(impl, case, device)
+
+        run.cache.on_start = started
+        run.on_record.insert(0, self.finished)  # before the record is sent or written
+
+    def finished(self, record: dict[str, Any]) -> None:
+        from gradequiv.harness.reports.report import bounded_output
+
+        out, err = self._read()
+        if record["verdict"] == "fail" and (out or err):
+            record["output"] = bounded_output(out, err)
+
+    def _read(self) -> tuple[str, str]:
+        try:
+            out, err = self.capture.read_global_capture()
+        except Exception:  # no capture (-s) or not started: nothing to keep
+            return "", ""
+        return str(out or ""), str(err or "")
 
 
 _SUITE = "gradequiv.properties.test_recompute"
@@ -396,7 +437,10 @@ class _Gatherer:
         from gradequiv.harness.reports.files import CASES_DIR, write_json_atomic
         from gradequiv.harness.reports.report import with_case_file
 
-        failure["diagnosis"] = diagnose(failure, self.records.get(failure["reproduce"])).to_dict()
+        record = self.records.get(failure["reproduce"])
+        failure["diagnosis"] = diagnose(failure, record).to_dict()
+        if record is not None and "output" in record:
+            failure["output"] = record["output"]
         report_dir = runtime.RUN.options.report_dir
         if report_dir is None or self.is_worker:
             return

@@ -245,3 +245,50 @@ def test_deterministic_runs_record_it_and_leave_torch_as_found(
     assert code == 0 and report["conditions"]["deterministic_algorithms"] is True
     assert report["statistics"]["max_noise_floor"] == 0.0  # CPU kernels: no noise at all
     assert not torch.are_deterministic_algorithms_enabled()
+
+
+def test_what_the_implementation_prints_is_shown_for_the_failing_case(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """Print-debugging in an implementation: its stdout and stderr during the failing case
+    are in the terminal, in report.json (the case and the headline failure) and report.md."""
+    code, out, _ = check(capsys, "--impl", "wrong_impls:prints_and_fails", *ONE,
+                         "--no-shrink", "--report-dir", str(tmp_path))
+    assert code == 1 and "verdict: FAIL" in out
+    assert "the implementation printed to stdout" in out
+    assert "  | debug: checkpointing " in out and "  | debug: about to recompute" in out
+    report = read_report(tmp_path)
+    output = report["failure"]["output"]
+    assert output["stdout"].startswith("debug: checkpointing ")
+    assert output["stderr"].startswith("debug: about to recompute\n")
+    assert report["cases"][0]["output"] == output
+    assert all("output" not in c for c in report["cases"] if c["verdict"] == "pass")
+    markdown = (tmp_path / "report.md").read_text()
+    assert "The implementation printed to stderr:" in markdown
+    assert "debug: about to recompute" in markdown
+
+
+def test_a_long_output_is_kept_bounded() -> None:
+    from gradequiv.harness.reports.report import OUTPUT_CHARS, bounded_output
+
+    kept = bounded_output("x" * (OUTPUT_CHARS + 10) + "end", "")
+    assert kept["stdout"] == "[... 13 characters cut]\n" + ("x" * (OUTPUT_CHARS - 3)) + "end"
+    assert kept["stderr"] == ""
+
+
+def test_check_writes_report_md_beside_report_json(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    code, _, _ = check(capsys, "--impl", "torch", *ONE, "--report-dir", str(tmp_path))
+    assert code == 0
+    markdown = (tmp_path / "report.md").read_text()
+    assert markdown.startswith("## gradequiv") and "**PASS**: `torch`" in markdown
+    assert sorted(p.name for p in tmp_path.iterdir() if p.is_file()) == [
+        "report.json", "report.md"]
+
+
+def test_a_spec_with_two_colons_is_refused_in_one_line(
+        capsys: pytest.CaptureFixture[str]) -> None:
+    code, _, err = check(capsys, "--impl", "os:path:join", *ONE)
+    assert code == 2
+    assert err == ("gradequiv: error: --impl='os:path:join' has 2 colons; a 'module:attr' "
+                   "reference has one, between the module's dotted path and the attribute: "
+                   "did you mean 'os.path:join'?\n")

@@ -92,7 +92,12 @@ def _run(options: CheckOptions, observer: Any) -> int:
             if observer is None:  # a supervisor holds the folder's lock for its child
                 stack.enter_context(lock_report_dir(options.report_dir, run_identity()))
             claim_report_dir(options.report_dir)
-        return _run_suite(options, impl, device, observer)
+        code = _run_suite(options, impl, device, observer)
+        if options.report_dir is not None:
+            from gradequiv.harness.commands.render import write_markdown
+
+            write_markdown(options.report_dir)  # users look for report.md beside report.json
+        return code
 
 
 def _run_suite(options: CheckOptions, impl: Any, device: Any, observer: Any) -> int:

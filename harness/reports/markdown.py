@@ -102,7 +102,15 @@ def _failure(group: FailureGroup, said: list[str]) -> list[str]:
         lines += [*(f"- {e}" for e in group.evidence), ""]
     for text in [*group.messages, *group.localisations]:
         lines += [f"> {text}", ""]
-    return lines + ["```sh", group.command, "```", ""]
+    lines += ["```sh", group.command, "```", ""]
+    output: dict[str, str] = next(
+        (f["output"] for f in group.failures if f.get("output")), {})
+    for stream, text in output.items():
+        if text.strip():
+            fence = "~~~~" if "```" in text else "```"
+            lines += [f"The implementation printed to {stream}:", "", fence + "text",
+                      text.rstrip("\n"), fence, ""]
+    return lines
 
 
 def _floor(report: dict[str, Any]) -> list[str]:

@@ -101,6 +101,21 @@ def with_case_file(command: str, path: str) -> str:
     return f"{head} {shlex.quote(path)}"
 
 
+#: characters of each of the implementation's streams kept for a failing case (the last ones)
+OUTPUT_CHARS = 4000
+
+
+def bounded_output(stdout: str, stderr: str) -> dict[str, str]:
+    """What the implementation printed during a case, each stream cut to its last
+    :data:`OUTPUT_CHARS` characters (a cut says how much went)."""
+    def tail(text: str) -> str:
+        if len(text) <= OUTPUT_CHARS:
+            return text
+        return f"[... {len(text) - OUTPUT_CHARS} characters cut]\n" + text[-OUTPUT_CHARS:]
+
+    return {"stdout": tail(stdout), "stderr": tail(stderr)}
+
+
 def verdict_record(impl: Implementation, verdict: Verdict, device: torch.device, *,
                    reproduce: str | None = None) -> dict[str, Any]:
     properties = []
@@ -232,7 +247,7 @@ def _headline_failure(failures: list[dict[str, Any]], failed: list[dict[str, Any
                     "message": first["message"], "flaky": first["flaky"],
                     "minimal_case": first["case"], "reproduce": first["reproduce"],
                     "first_mismatch": first_mismatch(record) if record else None}
-        for key in ("diagnosis", "reproduce_file"):
+        for key in ("diagnosis", "reproduce_file", "output"):
             if key in first:
                 headline[key] = first[key]
         return headline
@@ -243,6 +258,8 @@ def _headline_failure(failures: list[dict[str, Any]], failed: list[dict[str, Any
                     "minimal_case": first["case"], "reproduce": first["reproduce"],
                     "first_mismatch": first_mismatch(first)}
         headline["diagnosis"] = diagnose(headline, first).to_dict()
+        if "output" in first:
+            headline["output"] = first["output"]
         return headline
     return None
 

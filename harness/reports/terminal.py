@@ -13,10 +13,12 @@ from typing import Any
 
 from gradequiv.harness.reports.findings import failure_groups
 
-__all__ = ["summary_lines"]
+__all__ = ["output_lines", "summary_lines"]
 
 #: named-case failures listed one per line before the rest are counted
 NAMED_LINES = 12
+#: lines of each stream the implementation printed shown for a failure (report.json keeps more)
+OUTPUT_LINES = 20
 
 
 def summary_lines(failures: list[dict[str, Any]], errors: dict[str, str]) -> list[str]:
@@ -42,6 +44,7 @@ def summary_lines(failures: list[dict[str, Any]], errors: dict[str, str]) -> lis
         if first.get("localisation"):
             lines.append(f"    {first['localisation']}")
         lines.append(f"    reproduce: {first.get('reproduce_file') or first['reproduce']}")
+        lines += output_lines(first)
     if named:
         lines.append(f"named cases failing: {len(named)}")
         for failure in named[:NAMED_LINES]:
@@ -55,6 +58,7 @@ def summary_lines(failures: list[dict[str, Any]], errors: dict[str, str]) -> lis
             else:
                 said = diagnosis["sentence"]
             lines.append(f"    {name} ({failure['property']}): {said}")
+            lines += output_lines(failure, indent="        ")
         if len(named) > NAMED_LINES:
             lines.append(f"    ... and {len(named) - NAMED_LINES} more (report.json lists "
                          f"them all)")
@@ -62,3 +66,16 @@ def summary_lines(failures: list[dict[str, Any]], errors: dict[str, str]) -> lis
         lines.append(f"{test}: failed without a verdict: {last}")
     return lines
 
+
+def output_lines(failure: dict[str, Any], indent: str = "    ") -> list[str]:
+    """What the implementation printed during a failing case: the last lines of each
+    stream, indented under the failure."""
+    lines = []
+    for stream, text in (failure.get("output") or {}).items():
+        shown = text.rstrip("\n").splitlines()
+        if not shown:
+            continue
+        cut = f", its last {OUTPUT_LINES} lines" if len(shown) > OUTPUT_LINES else ""
+        lines.append(f"{indent}the implementation printed to {stream}{cut}:")
+        lines += [f"{indent}  | {line}" for line in shown[-OUTPUT_LINES:]]
+    return lines
