@@ -392,7 +392,7 @@ def test_the_knee_is_the_last_point_before_a_step_costs_clearly_more_per_byte() 
     rec = profiling.recommend(rows, batch=4)
     assert rec["knee"] == "every:2"
     assert "0.50 ms of step time per MiB of peak saved" in rec["why"]
-    assert "6.50 ms per MiB, 13.0x as much" in rec["why"]
+    assert "6.50 ms per MiB, 13.00x as much" in rec["why"]
     assert "layer" in rec["why"] and rec["memory_budget"] is None and "fits" not in rec
     # the same step at under twice the cost: the knee moves on to the least memory
     rows[3] = _row("layer", 18, 4 * MIB)  # 1.0 ms per MiB

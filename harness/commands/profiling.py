@@ -410,7 +410,7 @@ def recommend(rows: list[GranularityProfile], *, batch: int, unit: str = "tokens
                 why = (f"reaching it from {start.granularity} costs {so_far:.2f} ms of step time "
                        f"per MiB of peak saved; going on to {after.granularity} costs "
                        f"{this:.2f} ms per MiB, "
-                       f"{this / so_far if so_far else float('inf'):.1f}x as much (more than "
+                       f"{this / so_far if so_far else float('inf'):.2f}x as much (more than "
                        f"{KNEE_FACTOR:g}x is clearly more)")
                 break
     result: dict[str, Any] = {
