@@ -52,6 +52,8 @@ _OPTIONS: list[tuple[str, str, dict[str, Any]]] = [
     ("no-shrink", "report the first failing example as found, without shrinking it",
      {"action": "store_true"}),
     ("shrink-budget", "seconds a test may spend shrinking its failure (default: no limit)", {}),
+    ("threads", "torch's intra-op threads while the suite runs: N, or auto for torch's default "
+                "(default 1: more only slow its tiny tensors, badly on a busy machine)", {}),
 ]
 
 
@@ -83,15 +85,22 @@ def _setting(config: pytest.Config, name: str) -> Any:
 
 
 _DETERMINISTIC_BEFORE = pytest.StashKey[bool]()
+_THREADS_BEFORE = pytest.StashKey[int]()
 
 
 def pytest_unconfigure(config: pytest.Config) -> None:
-    """Leave torch's deterministic-algorithms switch as the run found it (check runs in-process)."""
+    """Leave torch's deterministic-algorithms switch and thread count as the run found them
+    (check runs in-process)."""
     before = config.stash.get(_DETERMINISTIC_BEFORE, None)
     if before is not None:
         import torch
 
         torch.use_deterministic_algorithms(before)
+    threads = config.stash.get(_THREADS_BEFORE, None)
+    if threads is not None:
+        import torch
+
+        torch.set_num_threads(threads)
 
 
 def gpu_for_worker(worker: str, visible: list[str]) -> str | None:
@@ -137,7 +146,7 @@ def _options(config: pytest.Config) -> tuple[CheckOptions, Any, Any]:
         seed = 0 if profile == "ci" else random.randrange(2**16)
     raw = {name.replace("-", "_"): _setting(config, name) for name in
            ("impl", "adapter", "examples", "device", "report-dir", "case", "rtol", "atol",
-            "model", "shard", "models", "shrink-budget")}
+            "model", "shard", "models", "shrink-budget", "threads")}
     raw = {k: v for k, v in raw.items() if v is not None}
     try:
         options = check_options(
@@ -162,6 +171,11 @@ def pytest_configure(config: pytest.Config) -> None:
         torch.use_deterministic_algorithms(True)
         # cuBLAS needs a fixed workspace to be deterministic; set it before CUDA starts.
         os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+    if options.impl and options.threads is not None:  # a run of the suite: set before it
+        import torch
+
+        config.stash[_THREADS_BEFORE] = torch.get_num_threads()
+        torch.set_num_threads(options.threads)
     worker = getattr(config, "workerinput", {}).get("workerid")
     if worker and options.impl and options.device != "cpu":
         _pin_worker_gpu(worker)

@@ -123,3 +123,24 @@ def test_the_supervised_child_runs_every_case_with_the_count(
     assert counts == {str(expected)}  # every call, in every case, ran with the count
     report = json.loads((tmp_path / "r" / "report.json").read_text())
     assert report["conditions"]["threads"] == expected
+
+
+def test_the_pytest_route_runs_the_suite_with_the_count_and_leaves_it_after(
+        pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch) -> None:
+    import torch
+
+    monkeypatch.delenv("GRADEQUIV_THREADS", raising=False)
+    before = torch.get_num_threads()
+    pytester.makepyfile(test_seen="""
+        import torch
+
+        def test_threads():
+            assert torch.get_num_threads() == 3
+    """)
+    pytester.runpytest("--gradequiv-impl", "torch", "--gradequiv-threads", "3").assert_outcomes(
+        passed=1)
+    assert torch.get_num_threads() == before
+    monkeypatch.setenv("GRADEQUIV_THREADS", "none")
+    result = pytester.runpytest("--gradequiv-impl", "torch")
+    assert result.ret == pytest.ExitCode.USAGE_ERROR
+    result.stderr.fnmatch_lines(["*--gradequiv-threads='none' is not a thread count*"])
