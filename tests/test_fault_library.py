@@ -43,6 +43,17 @@ CASES: dict[str, Case] = {
     "group": Case(model=_SMALL, batch=_BATCH, granularity=parse_granularity("group:2")),
     "large": Case(model=TransformerConfig(n_layer=1, n_embd=64, n_head=2, max_seq_len=72),
                   batch=BatchConfig(16, 72)),
+    "manual-dropout": Case(model=replace(_DROPOUT, attention="manual"), batch=_BATCH),
+    "nested": Case(model=replace(_SMALL, nested_inputs=True), batch=_BATCH),
+    "nested-dropout": Case(model=replace(_DROPOUT, nested_inputs=True), batch=_BATCH),
+    "nested-bf16-autocast": Case(model=replace(_SMALL, nested_inputs=True), batch=_BATCH,
+                                 dtype="bf16-autocast"),
+    "inplace-manual": Case(model=replace(_SMALL, inplace_ops=True, attention="manual"),
+                           batch=_BATCH),
+    "hooks": Case(model=replace(_SMALL, value_hooks=True), batch=_BATCH),
+    "hooks-attention": Case(model=replace(_SMALL, value_hooks=True), batch=_BATCH,
+                            granularity=parse_granularity("attention")),
+    "outside": Case(model=replace(_SMALL, outside_params=True), batch=_BATCH),
     "batchnorm": Case(model=_BATCHNORM, batch=BatchConfig(4, 1)),
     "batchnorm-inference": Case(model=_BATCHNORM, batch=BatchConfig(4, 1), inference=True),
 }
@@ -62,7 +73,19 @@ EXPECTED: dict[str, tuple[str, str, str]] = {
     "large-boundary-compressed": ("large", "gradients", "plain"),
     "group-layers-unchained": ("group", "outputs", "plain"),
     "bn-stats-in-recompute-only": ("batchnorm-inference", "buffers", "batchnorm"),
+    "nested-tensors-no-grad": ("nested", "gradients", "plain"),
+    "rng-devices-from-positional": ("nested-dropout", "gradients", "dropout"),
+    "autocast-device-from-first-arg": ("nested-bf16-autocast", "gradients", "bf16-autocast"),
+    "matmul-outputs-cached": ("inplace-manual", "gradients", "manual-dropout"),
+    "hooks-skipped-in-recompute": ("hooks", "gradients", "plain"),
+    "hooks-run-twice": ("hooks", "outputs", "plain"),
+    "outside-params-no-grad": ("outside", "gradients", "plain"),
+    "outside-params-grad-doubled": ("outside", "gradients", "plain"),
 }
+#: The segments that are no plain positional layer call: torch's reentrant checkpoint (its
+#: nested tensors passed positionally by the built-in) passes them too.
+_SEGMENT_KINDS = ("nested", "nested-dropout", "nested-bf16-autocast", "inplace-manual", "hooks",
+                  "hooks-attention", "outside")
 # The leak mutants fail every case; their "passes" entry is unused.
 _CAUGHT_EVERYWHERE = {"recomputed-kept", "saved-inputs-kept"}
 
@@ -74,8 +97,8 @@ _TORCH_CASES = [name for name in CASES if not name.startswith("batchnorm")]
 @cache
 def _verdict(impl_name: str, case_name: str) -> Verdict:
     """Cached: several tests read the same verdict (the base's, a mutant's pass case)."""
-    if impl_name == "torch":
-        return verify("torch", CASES[case_name])
+    if impl_name in ("torch", "torch-reentrant"):
+        return verify(impl_name, CASES[case_name])
     target = reference_checkpoint if impl_name == "reference" else _BY_NAME[impl_name].impl
     return verify(Implementation(impl_name, target), CASES[case_name])
 
@@ -101,6 +124,23 @@ def test_the_base_passes_every_case_kind(case_name: str) -> None:
 def test_torch_passes_every_transformer_case_kind(case_name: str) -> None:
     verdict = _verdict("torch", case_name)
     assert verdict.passed, verdict.first_failure
+
+
+@pytest.mark.parametrize("case_name", _SEGMENT_KINDS)
+def test_torch_reentrant_passes_the_segment_kinds(case_name: str) -> None:
+    verdict = _verdict("torch-reentrant", case_name)
+    assert verdict.passed, verdict.first_failure
+
+
+def test_the_segment_kind_mutants_name_what_they_miss() -> None:
+    """Missing gradients are named by the tensor that lacks one: a parameter read from
+    outside the segment, a hook's parameter, the embedding behind a nested tensor."""
+    assert "grad of mlp_gates" in _verdict("outside-params-no-grad", "outside").first_failure
+    skipped = _verdict("hooks-skipped-in-recompute", "hooks").first_failure
+    assert "grad of blocks.0.steering" in skipped and "exists only on the full-storage" in skipped
+    # A segment's pre-hook skipped in the recompute (attention only): its values are wrong
+    assert not _verdict("hooks-skipped-in-recompute", "hooks-attention").passed
+    assert "wpe.weight" in _verdict("nested-tensors-no-grad", "nested").first_failure
 
 
 @pytest.mark.parametrize("name", list(EXPECTED))

@@ -367,3 +367,155 @@ def test_torch_checkpoint_matches_full_storage_bitwise_with_each_knob(
     assert all(("x0" in kwargs) == config.x0_keyword for _, _, kwargs in calls)
     if config.aux_loss:
         assert all(f"blocks.{i}.expert_router.weight" in grads for i in range(4))
+
+
+# The knobs that give segments what real layers are full of: nested inputs, in-place ops,
+# value-changing hooks, parameters from outside the segment's module.
+
+REAL_LAYER_KNOBS = ("nested_inputs", "inplace_ops", "value_hooks", "outside_params")
+
+
+def test_the_real_layer_knobs_default_off_validate_and_old_json_loads() -> None:
+    data = CONFIG.to_dict()
+    assert {data.pop(k) for k in REAL_LAYER_KNOBS} == {False}
+    assert TransformerConfig(**data) == CONFIG  # a case written before the knobs
+    for knob in REAL_LAYER_KNOBS:
+        with pytest.raises(InvalidArgument, match=f"{knob}='yes': must be true or false"):
+            replace(CONFIG, **{knob: "yes"})
+        on = replace(CONFIG, **{knob: True})
+        assert TransformerConfig(**on.to_dict()) == on and not on.has_randomness
+
+
+@pytest.mark.parametrize("text", ["layer", "group:2"])
+def test_nested_inputs_reach_each_segment_with_no_positional_tensor(text: str) -> None:
+    workload = build(replace(CONFIG, nested_inputs=True), BatchConfig(2, 8), 0)
+    seen: list[tuple[tuple[Any, ...], dict[str, Any]]] = []
+    workload.model.router.install(workload.segments(parse_granularity(text)), None)
+    workload.model.router.on_call = lambda name, args, kwargs: seen.append((args, kwargs))
+    nested = workload.model(*workload.inputs)
+    assert len(seen) == len(workload.model.router._names)
+    for args, kwargs in seen:
+        assert len(args) == 1 and isinstance(args[0], dict)
+        assert not any(isinstance(v, torch.Tensor) and v.requires_grad for v in kwargs.values())
+        (x,), (x0,) = args[0]["hidden"], args[0]["embedding"]
+        assert x.requires_grad and x0.requires_grad
+        assert kwargs["key_padding_mask"].dtype == torch.bool
+    plain = build(CONFIG, BatchConfig(2, 8), 0)  # the same function, only called otherwise
+    assert torch.equal(nested, plain.model(*plain.inputs))
+
+
+@pytest.mark.parametrize("attention", ["sdpa", "manual"])
+def test_inplace_ops_change_how_not_what(attention: str) -> None:
+    """Without dropout the in-place model computes what the plain one does, bitwise, and
+    its forward writes in place (ops ending in ``_`` on activations)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class InPlace(TorchDispatchMode):
+        def __init__(self) -> None:
+            super().__init__()
+            self.ops: set[str] = set()
+
+        def __torch_dispatch__(self, func: Any, types: Any, args: Any = (),
+                               kwargs: Any = None) -> Any:
+            name = func.__name__.split(".")[0]
+            if name.endswith("_") and not name.startswith("_"):
+                self.ops.add(name)
+            return func(*args, **(kwargs or {}))
+
+    config = replace(CONFIG, attention=attention, activation="relu")
+    inplace = build(replace(config, inplace_ops=True), BatchConfig(2, 8), 0)
+    plain = build(config, BatchConfig(2, 8), 0)
+    with InPlace() as seen:
+        out = inplace.model(*inplace.inputs)
+    assert torch.equal(out, plain.model(*plain.inputs))
+    assert {"add_", "relu_"} <= seen.ops
+    if attention == "manual":
+        assert {"mul_", "masked_fill_"} <= seen.ops
+    dropped = build(replace(config, inplace_ops=True, resid_dropout=0.5), BatchConfig(2, 8), 0)
+    assert dropped.model.blocks[0].mlp.resid_dropout.inplace
+
+
+def test_value_hooks_change_values_and_their_parameters_learn() -> None:
+    hooked = build(replace(CONFIG, value_hooks=True), BatchConfig(2, 8), 0)
+    plain = build(CONFIG, BatchConfig(2, 8), 0)
+    names = {n for n, _ in hooked.model.named_parameters()} - {
+        n for n, _ in plain.model.named_parameters()}
+    assert names == {f"blocks.{i}.{n}" for i in range(4) for n in (
+        "attn.qkv.lora_a", "attn.qkv.lora_b", "mlp.fc.lora_a", "mlp.fc.lora_b", "steering")}
+    # every weight the two share is the same: the hooks' parameters are made last
+    shared = dict(plain.model.named_parameters())
+    assert all(torch.equal(p, shared[n]) for n, p in hooked.model.named_parameters()
+               if n in shared)
+    block = hooked.model.blocks[0]
+    assert block._forward_hooks and block.attn._forward_pre_hooks and \
+        block.mlp._forward_pre_hooks and block.attn.qkv._forward_hooks
+    loss = hooked.loss_fn(hooked.model(*hooked.inputs), hooked.targets)
+    assert loss.item() != plain.loss_fn(plain.model(*plain.inputs), plain.targets).item()
+    loss.backward()
+    grads = dict(hooked.model.named_parameters())
+    assert all(grads[n].grad is not None and grads[n].grad.abs().sum() > 0 for n in names)
+
+
+@pytest.mark.parametrize("text, names", [
+    ("layer", {"shared_proj.weight", "mlp_gates"}),
+    ("group:2", {"shared_proj.weight", "mlp_gates"}),
+    ("attention", {"shared_proj.weight"}), ("mlp", {"mlp_gates"})])
+def test_outside_params_are_read_inside_the_segments_and_owned_by_the_model(
+        text: str, names: set[str]) -> None:
+    from torch.overrides import TorchFunctionMode
+
+    workload = build(replace(CONFIG, outside_params=True), BatchConfig(2, 8), 0)
+    model = workload.model
+    segments = workload.segments(parse_granularity(text))
+    by_id = {id(p): n for n, p in model.named_parameters()}
+    read: set[str] = set()
+
+    class Reads(TorchFunctionMode):
+        def __torch_function__(self, func: Any, types: Any, args: Any = (),
+                               kwargs: Any = None) -> Any:
+            read.update(by_id[id(a)] for a in args if isinstance(a, torch.nn.Parameter))
+            return func(*args, **(kwargs or {}))
+
+    def inside(module: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
+        with Reads():
+            return module(*args, **kwargs)
+
+    model.router.install(segments, inside)
+    owned = {n for s in segments for n, _ in s.module.named_parameters()}
+    assert not owned & {"shared_proj.weight", "mlp_gates"}
+    workload.loss_fn(model(*workload.inputs), workload.targets).backward()
+    assert read & {"shared_proj.weight", "mlp_gates"} == names
+    assert model.shared_proj.weight.grad.abs().sum() > 0
+    assert model.mlp_gates.grad.abs().sum() > 0
+
+
+@pytest.mark.parametrize("knob", REAL_LAYER_KNOBS)
+@pytest.mark.parametrize("text", ["layer", "attention", "group:2"])
+def test_torch_checkpoint_matches_full_storage_bitwise_with_each_real_layer_knob(
+        knob: str, text: str) -> None:
+    config = replace(CONFIG, **{knob: True})
+    plain_loss, plain_grads, _ = _loss_and_grads(config, text, checkpointed=False)
+    loss, grads, _ = _loss_and_grads(config, text, checkpointed=True)
+    assert torch.equal(loss, plain_loss)
+    assert grads.keys() == plain_grads.keys() == {
+        n for n, p in build(config, BatchConfig(), 0).model.named_parameters()
+        if p.requires_grad}
+    assert all(torch.equal(grads[n], plain_grads[n]) for n in grads)
+
+
+def test_the_real_layer_knobs_are_drawn_off_first() -> None:
+    """Each knob is drawn, and a case that needs one shrinks to it alone: the minimal
+    drawn case has none on, the minimal with one on has the others off."""
+    from hypothesis import HealthCheck, find, settings
+
+    from gradequiv.properties.strategies import cases, transformer_configs
+
+    quick = settings(max_examples=200, database=None, deadline=None,
+                     suppress_health_check=list(HealthCheck))
+    simplest = find(cases(), lambda c: True, settings=quick)
+    assert not any(getattr(simplest.model, k) for k in REAL_LAYER_KNOBS)
+    for knob in REAL_LAYER_KNOBS:
+        found = find(transformer_configs(), lambda m, knob=knob: getattr(m, knob),
+                     settings=quick)
+        assert [k for k in REAL_LAYER_KNOBS if getattr(found, k)] == [knob]
+        assert found.n_layer == 1 and not found.has_randomness

@@ -4,7 +4,8 @@ For each of several seeds, draw cases as the suite does (``cases()``, no
 shrinking) and count the examples until ``preserve_rng_state=False`` fails
 the gradients property; ``extra_info`` holds the median and the worst. The
 same for each mutant of the fault library's newer families, grouped by what
-of real training they need: the examples until any property fails (-1: not
+of real training they need (and, in a second table, the families of segments as real
+layers have them): the examples until any property fails (-1: not
 within the limit), and which property fails first most often.
 """
 
@@ -75,6 +76,15 @@ FAMILIES_BY_ITEM = {
                                          "bn-stats-in-recompute-only", "autocast-latched",
                                          "grad-mode-forced-on"),
 }
+#: The families of segments as real layers have them (issue 24's first four items).
+SEGMENT_FAMILIES_BY_ITEM = {
+    "nested inputs": ("nested-tensors-no-grad", "rng-devices-from-positional",
+                      "autocast-device-from-first-arg"),
+    "in-place ops": ("matmul-outputs-cached",),
+    "value-changing hooks": ("hooks-skipped-in-recompute", "hooks-run-twice"),
+    "parameters from outside the segment": ("outside-params-no-grad",
+                                            "outside-params-grad-doubled"),
+}
 NEW_FAMILIES = tuple(name for names in FAMILIES_BY_ITEM.values() for name in names)
 MUTANT_SEEDS = range(5)
 
@@ -101,11 +111,13 @@ def first_failure(impl: Implementation, run_seed: int, limit: int = 100) -> tupl
     return found
 
 
-def test_examples_until_each_new_family_is_caught(benchmark: Any) -> None:
+def _family_table(benchmark: Any, families: dict[str, tuple[str, ...]]) -> None:
+    """Examples until each mutant of ``families`` is caught, per seed; printed as a table."""
     rows: dict[str, dict[str, Any]] = {}
+    wanted = {name for names in families.values() for name in names}
 
     def all_mutants() -> None:
-        for mutant in (m for m in MUTANTS if m.name in NEW_FAMILIES):
+        for mutant in (m for m in MUTANTS if m.name in wanted):
             impl = Implementation(mutant.name, mutant.impl)
             found = [first_failure(impl, s) for s in MUTANT_SEEDS]
             caught = [n for n, _ in found if n > 0]
@@ -119,8 +131,18 @@ def test_examples_until_each_new_family_is_caught(benchmark: Any) -> None:
     benchmark.extra_info.update(rows)
     print("\n| what it needs | mutant | caught first by | median examples | per seed |")
     print("|---|---|---|---|---|")
-    for item, names in FAMILIES_BY_ITEM.items():
+    for item, names in families.items():
         for name in names:
             row = rows[name]
             print(f"| {item} | {name} | {row['property']} | {row['median']} | "
                   f"{row['examples_per_seed']} |")
+
+
+def test_examples_until_each_new_family_is_caught(benchmark: Any) -> None:
+    _family_table(benchmark, FAMILIES_BY_ITEM)
+
+
+def test_examples_until_each_segment_family_is_caught(benchmark: Any) -> None:
+    """Segments as real layers have them: nested inputs, in-place ops, value-changing
+    hooks, parameters from outside the segment's module."""
+    _family_table(benchmark, SEGMENT_FAMILIES_BY_ITEM)
