@@ -1,14 +1,23 @@
 """Bring your own model: a factory names the model, its fixed batch, its loss and its segments.
 
 The reference models call their segments through the router; a user's model
-calls its own submodules directly. So each named segment's ``forward`` is
-replaced (on the instance) by one that hands the call to the router with a
-*shell*: a small module whose forward runs the submodule's original
-``forward``. Whatever the implementation does with the shell (checkpoint it,
-wrap it, re-run it in backward), every run goes through the shell's
-``__call__``, so its hooks (the harness counts recompute with them) see it;
-and a toggle that recomputes inside the submodule's own ``__call__`` (HF's
-layers) reaches the shell the same way.
+calls its own submodules directly, and is run exactly as its code runs it.
+Nothing is set on the user's modules: each named segment's class is swapped,
+on the instance, for a subclass of its own class (same name, same module) that
+overrides ``__call__`` only, as ``torch.nn.utils.parametrize`` does. That
+``__call__`` hands the router the module and its own bound ``__call__`` (the
+class's, hooks and all): the implementation gets what ``checkpoint(module, x)``
+would run, so the segment's forward pre-hooks and hooks run inside the first
+run and again in the recompute, ``function.__self__`` is the user's module with
+its parameters, and a ``wrapper`` gets the user's module itself. The harness's
+state lives in that ``__call__``'s closure and in the router, which hangs on
+:class:`ExternalModel` only, never on a module of the user's.
+
+A call of the segment made while the router runs it (a wrapper calling the
+module it wraps, a checkpoint calling ``function.__self__``) or while autograd
+runs a backward (the recompute of a wrapper or hand-written checkpoint) is the
+implementation re-running it: it goes to the module's own ``__call__``
+directly, never through the implementation again.
 
 A factory is ``f(seed: int) -> UserModel``, named ``package.module:attr``
 like an implementation; it must build the same model and batch for the same
@@ -24,6 +33,7 @@ import pkgutil
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass
+from types import MethodType
 from typing import Any
 
 import torch
@@ -31,13 +41,7 @@ from torch import Tensor, nn
 
 from gradequiv.harness.errors import InvalidArgument
 from gradequiv.models.granularity import SINGLE_LAYERS, Granularity
-from gradequiv.models.segments import (
-    RoutedModel,
-    Router,
-    Segment,
-    attach_router,
-    layer_segments,
-)
+from gradequiv.models.segments import RoutedModel, Router, Segment, layer_segments
 
 __all__ = ["ExternalConfig", "ExternalModel", "UserModel", "load_user_model",
            "reproducibility_problem"]
@@ -72,20 +76,24 @@ class UserModel:
     segments: list[str]  # dotted names of the submodules to recompute, in call order
 
 
-class _Shell(nn.Module):
-    """The segment as the implementation sees it: calling it runs the user's submodule's
-    own ``forward`` body. Its hooks are the harness's view of every run, first or again."""
+def _route_calls(module: nn.Module, router: Router) -> None:
+    """Send every call of ``module`` through ``router`` (see the module docstring)."""
+    cls = type(module)
+    own_call: Callable[..., Any] = cls.__call__
+    function = MethodType(own_call, module)  # module.__call__ as its class defines it
+    running = [0]  # > 0 while the router runs this segment
 
-    real: nn.Module  # set past nn.Module's registration: the user's model owns it
-    body: Callable[..., Any]  # the submodule's original forward
+    def __call__(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
+        if running[0] or torch._C._current_graph_task_id() != -1:  # re-run by the impl
+            return own_call(self, *args, **kwargs)
+        running[0] += 1
+        try:
+            return router.run(self, function, *args, **kwargs)
+        finally:
+            running[0] -= 1
 
-    def __init__(self, real: nn.Module, body: Callable[..., Any]) -> None:
-        super().__init__()
-        object.__setattr__(self, "real", real)
-        object.__setattr__(self, "body", body)
-
-    def forward(self, *args: Any, **kwargs: Any) -> Any:
-        return self.body(*args, **kwargs)
+    module.__class__ = type(cls.__name__, (cls,), {
+        "__call__": __call__, "__module__": cls.__module__, "__qualname__": cls.__qualname__})
 
 
 class ExternalModel(RoutedModel):
@@ -96,38 +104,27 @@ class ExternalModel(RoutedModel):
     def __init__(self, inner: nn.Module, segment_names: list[str]) -> None:
         super().__init__()
         self.inner = inner
-        self._shells: list[tuple[str, _Shell]] = []
-        attach_router(self)
+        self.router = Router()  # on this wrapper only: the user's modules carry nothing
         modules = dict(inner.named_modules())
         for name in segment_names:
             if name not in modules or name == "":
                 raise InvalidArgument(
                     f"segment {name!r} is not a submodule of the model; known names start "
                     f"with: {', '.join(sorted(n for n in modules if n)[:8])}")
-            real = modules[name]
-            shell = _Shell(real, real.forward)
-            object.__setattr__(shell, "router", self.router)
-            self._shells.append((name, shell))
-            self._route(real, shell)
-
-    def _route(self, real: nn.Module, shell: _Shell) -> None:
-        router = self.router
-
-        def forward(*args: Any, **kwargs: Any) -> Any:
-            return router(shell, *args, **kwargs)  # the implementation, or the shell plainly
-
-        object.__setattr__(real, "forward", forward)
+        self._segments = [(name, modules[name]) for name in segment_names]
+        for _, module in self._segments:
+            _route_calls(module, self.router)
 
     def segments(self, granularity: Granularity) -> list[Segment]:
         if not isinstance(granularity, SINGLE_LAYERS):
             raise InvalidArgument(
                 f"granularity={str(granularity)!r}: a --model case recomputes its named "
                 f"segments: use none, layer or every:K")
-        return layer_segments(granularity, self._shells)
+        return layer_segments(granularity, self._segments)
 
     def selected(self) -> list[nn.Module]:
         """The user's submodules selected for recompute (for toggles that pick their own)."""
-        return [shell.real for _, shell in self._shells if self.router.installed(shell)]
+        return [module for _, module in self._segments if self.router.installed(module)]
 
     def user_view(self) -> nn.Module:
         return self.inner  # "blocks.0.linear.weight", as the user's model names it

@@ -5,6 +5,9 @@ A reference model never calls a checkpointable segment directly: it calls
 of one model and decides, per segment module, whether to call it plainly or
 through the plugged-in implementation. This keeps the model's parameter names
 identical whatever the granularity, so one state_dict fits every path.
+
+A user's model calls its submodules itself: :mod:`.external` routes them through
+the same :class:`Router` (:meth:`Router.run`) without setting anything on them.
 """
 
 from __future__ import annotations
@@ -60,9 +63,10 @@ class Router:
         if call is not None:
             self.enable(call)
 
-    def enable(self, call: SegmentCall) -> None:
-        """Route every installed segment through ``call``."""
-        self._calls = dict.fromkeys(self._names, call)
+    def enable(self, call: SegmentCall, modules: Sequence[nn.Module] | None = None) -> None:
+        """Route the installed segments among ``modules`` (default: all) through ``call``."""
+        keys = self._names if modules is None else [id(m) for m in modules if self.installed(m)]
+        self._calls.update(dict.fromkeys(keys, call))
 
     def routes(self, module: nn.Module) -> bool:
         """Whether calls of ``module`` go through an implementation."""
@@ -78,11 +82,17 @@ class Router:
             self.on_call(self._names[id(module)], args, kwargs)
 
     def __call__(self, module: nn.Module, *args: Any, **kwargs: Any) -> Any:
-        self.notify(module, args, kwargs)
-        call = self._calls.get(id(module))
+        return self.run(module, module, *args, **kwargs)
+
+    def run(self, segment: nn.Module, function: Callable[..., Any], /, *args: Any,
+            **kwargs: Any) -> Any:
+        """Run ``segment`` by calling ``function`` (the segment itself, or its bound call):
+        plainly, or as what the installed call is given."""
+        self.notify(segment, args, kwargs)
+        call = self._calls.get(id(segment))
         if call is None:
-            return module(*args, **kwargs)
-        return call(module, *args, **kwargs)
+            return function(*args, **kwargs)
+        return call(function, *args, **kwargs)
 
 
 def attach_router(model: nn.Module) -> Router:

@@ -10,6 +10,7 @@ Turning a SPEC into one of these is :mod:`.resolve`'s job.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, cast
@@ -76,26 +77,27 @@ class Implementation:
 
     def install(self, model: nn.Module, segments: list[Segment]) -> None:
         """Route the selected ``segments`` of ``model`` through this implementation."""
-        router = cast(Router, getattr(model, "router"))  # noqa: B009  # set by attach_router
+        router = cast(Router, getattr(model, "router"))  # noqa: B009  # a RoutedModel's
         router.install(segments, None)
         if not segments:
             return
         if self.adapter == "function":
             target, options = self.target, self.kwargs
 
-            def call(module: nn.Module, *args: Any, **kwargs: Any) -> Any:
+            def call(function: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
                 clash = options.keys() & kwargs.keys()
                 if clash:
                     raise InvalidArgument(
                         f"--impl-kwarg {sorted(clash)} clash with the segment's own keyword "
                         f"arguments; rename them in the implementation"
                     )
-                return target(module, *args, **options, **kwargs)
+                return target(function, *args, **options, **kwargs)
 
             router.enable(call)
         elif self.adapter == "wrapper":
-            wrapped = {id(s.module): self.target(s.module, **self.kwargs) for s in segments}
-            router.enable(lambda module, *a, **k: wrapped[id(module)](*a, **k))
+            for s in segments:  # the segment's module itself, as users wrap their layers
+                wrapped = self.target(s.module, **self.kwargs)
+                router.enable(functools.partial(_call_wrapped, wrapped), [s.module])
         else:
             self.target(model, **self.kwargs)
 
@@ -107,6 +109,12 @@ class Implementation:
         for key, value in self.kwargs.items():
             args += ["--impl-kwarg", f"{key}={_format_value(value)}"]
         return args
+
+
+def _call_wrapped(wrapped: Callable[..., Any], _function: Callable[..., Any], /, *args: Any,
+                  **kwargs: Any) -> Any:
+    """A wrapped segment's call, in the router's place of ``function``."""
+    return wrapped(*args, **kwargs)
 
 
 def _declared(target: Callable[..., Any]) -> tuple[set[str], set[str]]:
