@@ -368,7 +368,7 @@ def test_profile_model_writes_the_table_frontier_recommendation_and_png(
     assert least["on_frontier"]  # the least peak is on it, whatever the timings
     assert rows[data["recommendation"]["knee"]]["on_frontier"]
     assert "| samples/s | frontier |" in out
-    assert f"**Recommended: {data['recommendation']['knee']}**" in out
+    assert f"**Recommended: {data['recommendation']['knee']}, the knee" in out
     md = (tmp_path / "profile.md").read_text()
     assert "**Recommended:" in md and "samples/s" in md
     pytest.importorskip("matplotlib")
@@ -428,11 +428,16 @@ def test_the_command_prints_the_budget_verdict_and_writes_it(
         tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     code = main([*TINY, "--memory-budget", "1KiB", "--report-dir", str(tmp_path)])
     out = capsys.readouterr().out
-    assert code == 0 and "**Memory budget 1,024 bytes**" in out and "nothing fits" in out
+    assert code == 0 and "Memory budget 1,024 bytes (activation" in out and "nothing fits" in out
     data = json.loads((tmp_path / "profile.json").read_text())
     assert data["recommendation"]["memory_budget"] == 1024
     assert data["recommendation"]["fastest_fitting"] is None
     assert "nothing fits" in (tmp_path / "profile.md").read_text()
+    assert main(["report", str(tmp_path)]) == 0  # the rendered pages say the same
+    for page in ("report.md", "report.html"):
+        text = (tmp_path / page).read_text()
+        assert "Recommended: " in text and "nothing fits 1,024 bytes at batch 2" in text, page
+        assert "largest batch within the budget" in text, page
 
 
 @pytest.mark.parametrize("args, message", [

@@ -29,6 +29,7 @@ from gradequiv.harness.reports.tables import (
     Table,
     mutants_summary,
     mutants_table,
+    profile_recommendation,
     profile_summary,
     profile_tables,
 )
@@ -248,4 +249,8 @@ def _profile(profile: dict[str, Any]) -> list[str]:
     for caption, table in profile_tables(profile):
         parts += [f"<p>{escape(caption)}</p>"] if caption else []
         parts.append(_table(table))
+    for k, (sentence, batches) in enumerate(profile_recommendation(profile)):
+        parts.append(f"<p><b>{escape(sentence)}</b></p>" if k == 0 else
+                     f"<p>{escape(sentence)}</p>")
+        parts += [_table(batches)] if batches is not None else []
     return [*parts, _img(frontier_png(profile), "memory against step time")]

@@ -158,9 +158,9 @@ def _profile_body(profile: dict[str, Any]) -> list[str]:
     lines = [profile_summary(profile)]
     for caption, table in profile_tables(profile):
         lines += ["", *([caption, ""] if caption else []), *table.markdown()]
-    recommendation = profile_recommendation(profile)
-    if recommendation:
-        lines += ["", *recommendation]
+    for k, (sentence, batches) in enumerate(profile_recommendation(profile)):
+        lines += ["", f"**{sentence}**" if k == 0 else sentence]
+        lines += ["", *batches.markdown()] if batches is not None else []
     if profile.get("plot"):
         lines += ["", f"![memory against step time]({profile['plot']})"]
     return lines

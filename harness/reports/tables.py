@@ -93,28 +93,28 @@ def profile_tables(profile: dict[str, Any]) -> list[tuple[str, Table]]:
     return tables
 
 
-def profile_recommendation(profile: dict[str, Any]) -> list[str]:
-    """The recommendation as Markdown lines: the knee and why, and with a memory budget
-    what fits it and the largest batch each granularity could run (empty for older files)."""
+def profile_recommendation(profile: dict[str, Any]) -> list[tuple[str, Table | None]]:
+    """The recommendation as (sentence, table or None) in reading order, the first sentence
+    the headline: the knee and why, the rule, and with a memory budget the verdict and the
+    largest batch each granularity could run. Empty for files written before it existed."""
     rec = profile.get("recommendation")
     if not rec:
         return []
-    lines = [f"**Recommended: {rec['knee']}**, the knee of the frontier: {rec['why']}.",
-             "", f"Rule: {rec['rule']}."]
+    parts: list[tuple[str, Table | None]] = [
+        (f"Recommended: {rec['knee']}, the knee of the frontier: {rec['why']}.", None),
+        (f"Rule: {rec['rule']}.", None)]
     budget = rec.get("memory_budget")
     if budget is None:
-        return lines
+        return parts
     unit = profile["conditions"].get("unit", "tokens")
     batch = profile["conditions"].get("batch")
-    lines += ["", f"**Memory budget {budget:,} bytes** (activation bytes at the step's peak; "
-                  f"parameters, gradients and optimizer state not included): "
-                  f"{rec['verdict']}.", "",
-              *Table(["granularity", "peak bytes", f"fits at batch {batch}",
-                      "largest batch within the budget", f"{unit}/s as measured"],
-                     [[x["granularity"], f"{x['peak_bytes']:,}", "yes" if x["fits"] else "no",
-                       "none" if not x["largest_batch"] else f"{x['largest_batch']:,}",
-                       f"{x['per_s']:,.0f}"] for x in rec["largest_batch"]]).markdown(),
-              "", "The largest batch is the budget over the measured peak per sample "
-                  "(activation bytes grow with the batch); the rate is the one measured at "
-                  f"batch {batch}."]
-    return lines
+    table = Table(["granularity", "peak bytes", f"fits at batch {batch}",
+                   "largest batch within the budget", f"{unit}/s as measured"],
+                  [[x["granularity"], f"{x['peak_bytes']:,}", "yes" if x["fits"] else "no",
+                    "none" if not x["largest_batch"] else f"{x['largest_batch']:,}",
+                    f"{x['per_s']:,.0f}"] for x in rec["largest_batch"]])
+    return parts + [
+        (f"Memory budget {budget:,} bytes (activation bytes at the step's peak; parameters, "
+         f"gradients and optimizer state not included): {rec['verdict']}.", table),
+        ("The largest batch is the budget over the measured peak per sample (activation "
+         f"bytes grow with the batch); the rate is the one measured at batch {batch}.", None)]
