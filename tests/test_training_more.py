@@ -447,8 +447,9 @@ def test_a_stash_that_fills_from_the_second_step_is_caught_at_that_step() -> Non
     assert caught.passed is False
     assert caught.failures[0].startswith("step 2: ") and "still alive after its backward" \
         in caught.failures[0]
+    # a leak from step 1 on is named at step 2 too: step 1 may allocate once (a pool)
     from_start = _property(_verdict("saved-inputs-kept", FROZEN["named"]), "recompute")
-    assert from_start.failures[0].startswith("step 1: ")
+    assert from_start.failures[0].startswith("step 2: ")
     assert _BY_NAME["stash-kept-after-warmup"].source.startswith("https://github.com/")
 
 
@@ -473,7 +474,7 @@ def test_a_recompute_that_stops_freeing_after_the_first_step_is_caught_at_that_s
 def test_a_selective_policy_s_bytes_are_reported_not_failed() -> None:
     """torch's SAC with matmul outputs saved keeps an attention-only segment's costly ops
     (SDPA, both projections): more bytes than full storage, by its policy's choice. Marked
-    selective, it is reported; the same checkpoint unmarked fails on memory."""
+    selective, it is reported; unmarked too, told by the ops its re-run skipped."""
     from gradequiv.harness.implementations.torch_builtins import torch_sac
 
     case = Case(model=replace(SMALL, n_layer=1, attn_dropout=0.0, resid_dropout=0.0,
@@ -482,10 +483,10 @@ def test_a_selective_policy_s_bytes_are_reported_not_failed() -> None:
     marked = verify(resolve("torch-sac"), case)
     assert marked.held_bytes["recompute"] >= marked.held_bytes["full"]
     reported = _property(marked, "recompute")
-    assert reported.passed is True and "selective policy held" in reported.summary
+    assert reported.passed is True and "selective recompute held" in reported.summary
 
     def unmarked(function: Any, *args: Any, **kwargs: Any) -> Any:
         return torch_sac(function, *args, **kwargs)
 
-    failed = _property(verify(Implementation("sac-unmarked", unmarked), case), "recompute")
-    assert failed.passed is False and "nothing was freed" in failed.failures[0]
+    told = _property(verify(Implementation("sac-unmarked", unmarked), case), "recompute")
+    assert told.passed is True and "re-run skipped" in told.summary

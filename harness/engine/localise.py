@@ -6,8 +6,9 @@ the recompute it ran in backward. Every aten op a segment runs is recorded
 under a ``TorchDispatchMode`` with the module it ran in (forward hooks keep
 a stack of module names); the first recompute op whose output differs from
 its counterpart (another op, another dtype or shape, other values) is the
-divergence. For a random op the share of elements that differ is the share
-of the dropout mask drawn differently.
+divergence; a re-run that only leaves ops out (a selective policy's saved outputs) is
+compared with the forward ops it repeats. For a random op the share of elements that
+differ is the share of the dropout mask drawn differently.
 
 It sees what the dispatcher sees, so it works for any implementation that
 re-runs the segment's modules eagerly (function and wrapper adapters). A
@@ -244,7 +245,35 @@ def _compare_runs(segment: str, forward: list[list[_Op]],
 
 
 def _first_difference(segment: str, forward: list[_Op], again: list[_Op]) -> Divergence | None:
-    for index, (a, b) in enumerate(zip(forward, again)):
+    """The first recomputed op that differs from its original, op for op. A re-run that
+    only leaves ops out, each op it runs giving what the forward op it repeats gave, is a
+    selective policy serving the ops it saved from its cache: no difference. Otherwise
+    (an op the forward never ran there, another dtype, shape or value) the first op where
+    the two sequences part is the divergence."""
+    found = _first_of(segment, list(enumerate(zip(forward, again))))
+    if found is None or found.forward == found.recompute or found.rel_error is not None:
+        return found
+    aligned = _subsequence(forward, again)
+    return found if aligned is None or _first_of(segment, aligned) is not None else None
+
+
+def _subsequence(forward: list[_Op], again: list[_Op]) -> list[tuple[int, tuple[_Op, _Op]]] | None:
+    """Each re-run op paired with the next forward op of the same name, in order; None
+    where some re-run op has none (it is no subsequence of the forward's ops)."""
+    pairs: list[tuple[int, tuple[_Op, _Op]]] = []
+    index = 0
+    for b in again:
+        while index < len(forward) and forward[index].op != b.op:
+            index += 1
+        if index == len(forward):
+            return None
+        pairs.append((index, (forward[index], b)))
+        index += 1
+    return pairs
+
+
+def _first_of(segment: str, pairs: list[tuple[int, tuple[_Op, _Op]]]) -> Divergence | None:
+    for index, (a, b) in pairs:
         random = any(word in b.op for word in _RANDOM)
         if a.op != b.op:
             return Divergence(segment, index, b.op, b.module, a.op, b.op, None, 1.0, random)

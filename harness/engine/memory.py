@@ -214,6 +214,9 @@ class ActivationCounter(_ModeScope):
         return _StorageRecorder(self._seen)
 
     def _alive(self, ignore: Iterable[Any]) -> Iterable[torch.UntypedStorage]:
+        return (storage for _, storage in self._alive_keyed(ignore))
+
+    def _alive_keyed(self, ignore: Iterable[Any]) -> Iterable[tuple[int, torch.UntypedStorage]]:
         skip = set(self._excluded)
         # Outputs may be structures (a transformers ModelOutput is a dict): their tensors.
         for t in (leaf for item in ignore for leaf in _leaves(item)):
@@ -225,7 +228,7 @@ class ActivationCounter(_ModeScope):
             if key not in skip:
                 storage = _new_with_weak_ptr(key)
                 if storage is not None:
-                    yield storage
+                    yield key, storage
 
     def held_bytes(self, *, ignore: Iterable[Tensor] = ()) -> int:
         """Bytes of the storages created in the block and alive now, each counted once.
@@ -243,6 +246,15 @@ class ActivationCounter(_ModeScope):
             device = str(storage.device)
             held[device] = held.get(device, 0) + storage.nbytes()
         return held
+
+    def alive_keys(self, *, ignore: Iterable[Tensor] = ()) -> frozenset[int]:
+        """Which storages ``held_bytes`` counts now, to ask later which of them outlived a
+        moment (``bytes_still_alive``): valid while this counter lives."""
+        return frozenset(key for key, storage in self._alive_keyed(ignore) if storage.nbytes())
+
+    def bytes_still_alive(self, keys: Iterable[int]) -> int:
+        """Bytes of the storages behind ``keys`` (from ``alive_keys``) still alive now."""
+        return _alive_bytes(keys, set())
 
     def held_storages(self, *, ignore: Iterable[Tensor] = ()) -> int:
         """How many storages ``held_bytes`` counts, empty ones left out, for diagnostics."""

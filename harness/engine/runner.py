@@ -41,6 +41,7 @@ from gradequiv.harness.engine.case import Case
 from gradequiv.harness.engine.global_state import GlobalState, snapshot
 from gradequiv.harness.engine.memory import ActivationCounter, SavedBytes
 from gradequiv.harness.engine.path import PreparedPath, build_path
+from gradequiv.harness.engine.saves import SavedCalls
 from gradequiv.harness.implementations.adapters import Implementation
 from gradequiv.harness.implementations.compiled import CompileSettings, compile_model
 from gradequiv.models import Segment
@@ -67,16 +68,21 @@ class StepRecord:
     calls: dict[str, list[int]]
     touched: list[str] = field(default_factory=list)  # .grad changed by torch.autograd.grad
     left_bytes: int | None = None  # bytes the step made, alive after its backward (a leak)
-    held_bytes: int | None = None  # bytes the step's first forward made, alive until backward
-    # counted module -> [0, ops reading its parameters in backward with grad on]
+    # bytes the step's first forward made, alive at backward and let go of by it
+    held_bytes: int | None = None
+    # counted module -> [ops reading its parameters in forward, the same in backward with
+    # grad on]
     uses: dict[str, list[int]] = field(default_factory=dict)
+    # counted module -> forward calls that saved a tensor for backward (full storage only)
+    saved: dict[str, int] = field(default_factory=dict)
+    held_saved: bool | None = None  # whether that forward of held_bytes saved any (the same)
 
 
 @dataclass
 class PathRun:
     steps: list[StepRecord] = field(default_factory=list)
     params: dict[str, Tensor] = field(default_factory=dict)  # after the last optimizer step
-    held_bytes: int | None = None  # activation bytes alive between forward and backward, step 1
+    held_bytes: int | None = None  # step 1's held_bytes (StepRecord)
     held_on: dict[str, int] | None = None  # the same bytes by device ("cpu", "cuda:0")
     seconds: float = 0.0
     error: str | None = None  # traceback of an exception raised inside the path
@@ -144,9 +150,10 @@ def run_path(
             phase = _Phase()
             counted = {} if compiled else _counted_modules(model, segments)
             calls = _count_calls(counted, phase)
+            saves = SavedCalls(counted).counts if impl is None else {}  # nothing saved: no re-run
             # What re-ran in backward, by the ops that read each segment's parameters: a
             # recompute that calls the bound forward (instance patching) passes no hook.
-            # Recompute path only, backward only (forward counts would prove nothing).
+            # Recompute path only; the forward's counts say how much a full re-run is.
             uses = ParameterUses(counted, lambda: phase.index) \
                 if impl is not None and counted else None
             grads_in = _SegmentInputGrads(model, [] if compiled else segments)
@@ -170,6 +177,7 @@ def run_path(
                     if t is not None:
                         t.grad = None
                 _reset(calls)
+                _reset(saves)
                 grads_in.reset()
                 if uses is not None:
                     uses.reset()
@@ -181,6 +189,8 @@ def run_path(
                 kept: list[Tensor] = []
                 touched: set[str] = set()
                 step_held: int | None = None
+                held_saved: bool | None = None  # a selected segment saved in that forward
+                held_keys: frozenset[int] = frozenset()  # the storages step_held counts
                 with made if made is not None else contextlib.nullcontext():
                     for k, batch in enumerate(batches):
                         part = f" (micro-batch {k + 1} of {len(batches)})" if k else ""
@@ -188,16 +198,22 @@ def run_path(
                         where = f"step {step} forward{part}"
                         measure = count_memory and k == 0
                         if made is not None:
-                            outputs, loss = path.forward(call, batch)
+                            # The forward's ops on each segment's parameters: what a re-run
+                            # that skips some (a selective policy) is measured against.
+                            with uses if uses is not None else contextlib.nullcontext():
+                                outputs, loss = path.forward(call, batch)
                             held = made.held_bytes_by_device(ignore=[outputs, loss]) \
                                 if measure else None
+                            if measure:
+                                held_keys = made.alive_keys(ignore=[outputs, loss])
                         else:
                             outputs, loss, held = _forward(path, call, measure, batch,
                                                            compiled=compiled is not None)
                         if measure and held is not None:
                             step_held = sum(held.values())
+                            held_saved = any(c[0] for c in saves.values()) if saves else None
                             if step == 1:
-                                run.held_on, run.held_bytes = held, step_held
+                                run.held_on = held
                         where = f"step {step} backward{part}"
                         if len(batches) > 1:  # the step's loss: the micro-batches' mean
                             loss = loss / len(batches)
@@ -210,9 +226,18 @@ def run_path(
                     ignore=[*kept, *grads_in.grads.values(),
                             *(p.grad for _, p in params if p.grad is not None),
                             *(t.grad for t in inputs if t is not None and t.grad is not None)])
+                if made is not None and step_held is not None:
+                    # Held for backward is what backward let go of: what the forward made and
+                    # is still alive after backward is no activation (a pool allocated on
+                    # first use) or a leak, which the later steps' left bytes show.
+                    step_held -= made.bytes_still_alive(held_keys)
+                if step == 1:
+                    run.held_bytes = step_held
                 run.steps.append(_record(model, params, inputs, kept, grads_in.grads, calls,
                                          device, sorted(touched), left))
                 run.steps[-1].held_bytes = step_held
+                run.steps[-1].saved = {n: c[0] for n, c in saves.items()}
+                run.steps[-1].held_saved = held_saved
                 if uses is not None:
                     run.steps[-1].uses = {n: list(c) for n, c in uses.uses.items()}
                 where = f"step {step} optimizer"
@@ -402,14 +427,16 @@ class _SegmentInputGrads:
 
     A gradient hook on the tensor (not a reference to it) keeps nothing alive,
     so the activation count is not disturbed. The first name a tensor is seen
-    under wins (``x0`` goes to every layer); weak references tell a tensor seen
-    before from a new one that reuses a freed tensor's id.
+    under wins (``x0`` goes to every layer), and so does the name of a tensor it aliases
+    (same memory and layout: a checkpoint Function's output for a segment that returns
+    its input); weak references tell a tensor seen before from a new one that reuses a
+    freed tensor's memory.
     """
 
     def __init__(self, model: RoutedModel, segments: list[Segment]) -> None:
         self.grads: dict[str, Tensor] = {}
         self.suffix = ""  # names the micro-batch after the first: " (micro-batch 2)"
-        self._seen: dict[int, weakref.ref[Tensor]] = {}
+        self._seen: dict[tuple[Any, ...], weakref.ref[Tensor]] = {}
         self._modules = {s.name: s.module for s in segments}
         self._signatures: dict[type, inspect.Signature] = {}
         if segments:
@@ -434,10 +461,11 @@ class _SegmentInputGrads:
         for arg, value in named.items():
             if not (isinstance(value, Tensor) and value.requires_grad):
                 continue
-            known = self._seen.get(id(value))
-            if known is not None and known() is value:
+            key = (value.data_ptr(), value.shape, value.stride(), value.dtype)
+            known = self._seen.get(key)
+            if known is not None and known() is not None:
                 continue
-            self._seen[id(value)] = weakref.ref(value)
+            self._seen[key] = weakref.ref(value)
             value.register_hook(self._store(f"input:{segment}:{arg}{self.suffix}"))  # type: ignore[no-untyped-call]
 
     def _store(self, key: str) -> Any:

@@ -22,9 +22,11 @@ noise floor) and the recompute path once, then checks, in this order:
 7. ``recompute``: each selected segment ran again in backward once per forward
    (seen by forward hooks, or by ops on its parameters under grad mode, as a recompute
    that calls the bound forward passes no hook), fewer activation bytes were held than
-   on the full path, and nothing a step made outlived its backward more than with full
-   storage (a leak); for an offload: ran once and never again, fewer bytes left on the
-   accelerator; inside a compiled graph: the bytes only.
+   on the full path (unless the re-run skipped ops a selective policy saved), and from
+   step 2 on nothing a step made outlived its backward more than with full storage (a
+   leak grows with the steps; step 1 may allocate a pool once); for an offload: ran
+   once and never again, fewer bytes left on the accelerator; inside a compiled graph:
+   the bytes only.
 
 A compiled implementation (``compile-...``) runs all three paths compiled:
 the full path with torch's defaults, its floor run rounding where inductor
@@ -48,7 +50,7 @@ import torch
 from gradequiv.harness.engine import global_state
 from gradequiv.harness.engine.case import Case
 from gradequiv.harness.engine.compare import DTYPE_CAPS, Tolerance, measure_pairs
-from gradequiv.harness.engine.runner import PathRun, run_path
+from gradequiv.harness.engine.runner import PathRun, StepRecord, run_path
 from gradequiv.harness.implementations.adapters import Implementation
 from gradequiv.harness.implementations.compiled import FLOOR, REFERENCE, CompileSpec
 from gradequiv.harness.implementations.resolve import resolve
@@ -174,11 +176,16 @@ def verify(
     """
     # torch's global switches as the case finds them (after the run's own, --deterministic):
     # every path starts from them, and they are put back after the case.
-    clean = global_state.snapshot()
     impl = resolve(impl) if isinstance(impl, str) else impl
     device = torch.device(device)
-    tolerance = tolerance or Tolerance(regime=case.dtype)
     verdict = Verdict(case=case, impl=impl.spec, device=str(device))
+    declined = impl.declines(case.grad_mode)
+    if declined:  # what it says it does not do is not held against it
+        verdict.properties = [PropertyResult(name, None, f"not applicable: {declined}")
+                              for name in PROPERTIES]
+        return verdict
+    clean = global_state.snapshot()
+    tolerance = tolerance or Tolerance(regime=case.dtype)
     reference = REFERENCE if impl.compiled else None  # compiled code is compared to compiled
     try:
         with _caller_rng_untouched(device):
@@ -422,21 +429,38 @@ def _check_recompute(case: Case, full: PathRun, rc: PathRun, result: PropertyRes
         result.summary = ("every selected segment ran under no_grad: nothing was saved for "
                           "backward, so there was nothing to recompute")
         return
+    idle: dict[str, list[str]] = {}  # what had nothing to re-run or to free -> its steps
     for k, (step_rc, step_full) in enumerate(zip(rc.steps, full.steps), start=1):
+        saved = step_full.saved  # the forwards that saved a tensor for backward
+        if saved and not any(saved.values()):
+            notes = ["no selected segment saved a tensor for backward (skipped or saving "
+                     "nothing): nothing to re-run or to free"]
+        else:
+            quiet = [m for m, n in saved.items() if n == 0 and step_full.calls[m][2]]
+            notes = [f"{', '.join(quiet)} saved nothing for backward: nothing to re-run"
+                     ] if quiet else []
+            if step_full.held_saved is False:
+                notes.append("no selected segment saved a tensor for backward in the first "
+                             "micro-batch, whose held bytes are measured: nothing to free")
+        for what in notes:
+            idle.setdefault(what, []).append(str(k))
         for module, counts in step_rc.calls.items():
             fwd, bwd = counts[0], counts[1]
-            full_fwd, _, to_recompute = step_full.calls.get(module, [0, 0, 0])
+            full_fwd, _, with_grad = step_full.calls.get(module, [0, 0, 0])
+            to_recompute = saved.get(module, with_grad)  # the forwards backward must re-run
             read_bwd = step_rc.uses.get(module, [0, 0])[1]
             if fwd != full_fwd:
                 result.failures.append(
                     f"step {k}: {module} ran {fwd} time(s) in forward on the recompute path and "
                     f"{full_fwd} on the full-storage path"
                 )
-            if to_recompute == 0:  # its forwards all ran under no_grad: nothing to re-run
+            if with_grad == 0:  # its forwards all ran under no_grad: nothing to re-run
                 if bwd > 0:
                     result.failures.append(
                         f"step {k}: {module} ran {bwd} time(s) in backward, but its "
                         f"forward ran under no_grad: nothing of it was to recompute")
+                continue
+            if to_recompute == 0:  # it saved nothing: a reentrant checkpoint re-runs it anyway
                 continue
             if bwd == 0 and read_bwd == 0:
                 result.failures.append(
@@ -444,13 +468,13 @@ def _check_recompute(case: Case, full: PathRun, rc: PathRun, result: PropertyRes
                     f"on its parameters with grad on), {to_recompute} forward(s) to recompute; "
                     f"nothing was recomputed"
                 )
-            elif bwd > to_recompute * passes:
+            elif bwd > with_grad * passes:
                 # Hooks only: op counts are no measure of how often (autocast caches a
                 # weight's cast in forward, not in a recompute; torch's early stop re-runs
                 # fewer ops), only of whether the segment re-ran at all.
                 per = " per backward pass" if passes > 1 else ""
                 result.failures.append(
-                    f"step {k}: {module} ran {bwd} time(s) in backward and {to_recompute} in "
+                    f"step {k}: {module} ran {bwd} time(s) in backward and {with_grad} in "
                     f"forward; a recompute re-runs each forward once{per}, not more"
                 )
             elif 0 < bwd < to_recompute:
@@ -458,6 +482,10 @@ def _check_recompute(case: Case, full: PathRun, rc: PathRun, result: PropertyRes
                     f"step {k}: {module} ran {bwd} time(s) in backward and {to_recompute} in "
                     f"forward; each of its forwards must be recomputed once"
                 )
+    if idle:
+        result.summary = "; ".join([_summary(result)] + [
+            f"not applicable on step{'s' * (len(ks) > 1)} {', '.join(ks)}: {what}"
+            for what, ks in idle.items()])
     _check_leaks(full, rc, result)
     _check_freed(full, rc, result, selective=selective)
 
@@ -468,35 +496,58 @@ def _check_freed(full: PathRun, rc: PathRun, result: PropertyResult, *,
     every step: a recompute that falls back to keeping activations after its first step (a
     warm-up path, a cache filled once) saves nothing from then on.
 
-    A ``selective`` implementation saves some ops' outputs by policy: where the policy keeps
-    outputs full storage would not keep (a matmul's, whose backward needs only its input),
-    it may hold as many bytes or more, and what it holds is the policy's choice. For it
-    the bytes are a note in the summary (the counts above still demand that each segment
-    re-ran); torch's selective checkpoint with matmul outputs saved holds more than full
-    storage on attention-only segments, whose costly ops it all keeps."""
-    held = [(s_rc.held_bytes, s_full.held_bytes) for s_rc, s_full in zip(rc.steps, full.steps)]
-    for k, (held_rc, held_full) in enumerate(held, start=1):
-        if held_rc is not None and held_full is not None and held_rc >= held_full:
-            at = f"step {k}: " if k > 1 else ""
-            if selective:
-                result.summary = (
-                    f"{result.summary + '; ' if result.summary else ''}{at}the selective "
-                    f"policy held {held_rc} activation bytes between forward and backward, "
-                    f"full storage {held_full} (its policy keeps outputs full storage does not; "
-                    f"reported, not failed)")
-                return
-            result.failures.append(
-                f"{at}activation bytes held between forward and backward: {held_rc} on the "
-                f"recompute path, {held_full} on the full-storage path; nothing was freed"
-            )
+    A selective recompute saves some ops' outputs by policy: where the policy keeps outputs
+    full storage would not keep (a matmul's, whose backward needs only its input), it may
+    hold as many bytes or more, and what it holds is the policy's choice. It is told by
+    what re-ran, not by a marker: fewer ops on a segment's parameters in the re-run than in
+    its forward (the ops its policy saved are served from its cache; the re-run's ops are
+    checked against the forward's by the values they give, in the other properties and
+    the localisation). ``selective`` (``gradequiv_strategy = "selective"``) says so up
+    front. For it the bytes are a note in the summary (the counts above still demand that
+    each segment re-ran)."""
+    for k, (step_rc, step_full) in enumerate(zip(rc.steps, full.steps), start=1):
+        held_rc, held_full = step_rc.held_bytes, step_full.held_bytes
+        if held_rc is None or held_full is None or held_rc < held_full:
+            continue
+        if step_full.held_saved is False:
+            continue  # no selected segment saved anything: nothing to free (in the summary)
+        at = f"step {k}: " if k > 1 else ""
+        skipped = _reran_part(step_rc)
+        if selective or skipped:
+            why = (f"its re-run skipped {skipped} of the forward's ops on the segments' "
+                   f"parameters: a selective policy saved their outputs"
+                   if skipped else "its policy keeps outputs full storage does not")
+            result.summary = (
+                f"{result.summary + '; ' if result.summary else ''}{at}the selective "
+                f"recompute held {held_rc} activation bytes between forward and backward, "
+                f"full storage {held_full} ({why}; reported, not failed)")
             return
+        result.failures.append(
+            f"{at}activation bytes held between forward and backward: {held_rc} on the "
+            f"recompute path, {held_full} on the full-storage path; nothing was freed"
+        )
+        return
+
+
+def _reran_part(step: StepRecord) -> int:
+    """How many of the forward's ops on the segments' parameters the re-run left out, where
+    every segment re-ran some of them (0: a full re-run, or none; a segment that re-ran
+    nothing is no selective policy, and fails the counts)."""
+    if not step.uses or any(back == 0 for fwd, back in step.uses.values() if fwd):
+        return 0
+    return sum(max(fwd - back, 0) for fwd, back in step.uses.values())
 
 
 def _check_leaks(full: PathRun, rc: PathRun, result: PropertyResult) -> None:
-    """Nothing a step made may outlive its backward more than with full storage, at any step
-    (a stash that only later steps fill leaks too): a recompute that keeps graphs, saved
-    inputs or recomputed activations alive leaks them step after step."""
-    for k, (step_rc, step_full) in enumerate(zip(rc.steps, full.steps), start=1):
+    """Memory that grows with the steps: from step 2 on, nothing a step made may outlive its
+    backward more than with full storage (a stash that only later steps fill leaks too). A
+    recompute that keeps graphs, saved inputs or recomputed activations alive leaks them
+    step after step. Step 1 is a warm-up: a pool or a table a library allocates on its
+    first call and reuses for the life of the process is made there once, and stays."""
+    steps = list(zip(rc.steps, full.steps))
+    for k, (step_rc, step_full) in enumerate(steps, start=1):
+        if k == 1 and len(steps) > 1:
+            continue
         left_rc, left_full = step_rc.left_bytes, step_full.left_bytes
         if left_rc is not None and left_full is not None and left_rc > left_full:
             result.failures.append(

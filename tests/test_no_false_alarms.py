@@ -1,0 +1,100 @@
+"""Correct code from real libraries and users passes: a pool allocated on the first call, a
+library's module-level tensors, a user's selective policy without a marker. The memory
+faults beside them (recomputed outputs kept, saved inputs kept, a stash kept from step 2
+on) still fail ``recompute`` with the leak named."""
+
+from __future__ import annotations
+
+import correct_impls
+import pytest
+import torch
+
+from gradequiv.harness import Case, find_case, resolve, verify
+from gradequiv.harness.engine.localise import localise
+from gradequiv.harness.engine.runner import PathRun, StepRecord
+from gradequiv.harness.engine.verify import PropertyResult, _check_freed
+from gradequiv.harness.implementations.adapters import Implementation
+from gradequiv.harness.implementations.faults import MUTANTS
+from gradequiv.models import BatchConfig, TransformerConfig, parse_granularity
+
+#: a layer segment, an attention-only one (where saving matmuls keeps the most), dropout on
+CASES = ["2L-layer-manual-attn", "2L-attention-sdpa-dropout", "2L-group2-aux-shared-x0kw-dropout"]
+
+
+@pytest.mark.parametrize("name", CASES)
+@pytest.mark.parametrize("spec", ["pooled_checkpoint", "lazy_constants_checkpoint"])
+def test_an_allocation_on_the_first_call_is_no_leak(spec: str, name: str) -> None:
+    correct_impls.reset()  # this case is the process's first call of the implementation
+    verdict = verify(f"correct_impls:{spec}", find_case(name))
+    assert verdict.passed, verdict.first_failure
+    recompute = verdict.properties[-1]
+    assert "fewer bytes were held" in recompute.summary
+
+
+def test_the_pool_is_not_counted_as_held_by_the_segments() -> None:
+    case = find_case("2L-layer-manual-attn")
+    correct_impls.reset()
+    pooled = verify("correct_impls:pooled_checkpoint", case)
+    plain = verify("torch", case)
+    assert pooled.held_bytes == plain.held_bytes
+    assert pooled.held_bytes["recompute"] < correct_impls.POOL_ELEMENTS * 4
+
+
+@pytest.mark.parametrize("name", CASES)
+@pytest.mark.parametrize("spec", ["user_selective_checkpoint", "user_matmul_policy_checkpoint"])
+def test_a_users_selective_policy_passes_without_a_marker(spec: str, name: str) -> None:
+    verdict = verify(f"correct_impls:{spec}", find_case(name))
+    assert verdict.passed, verdict.first_failure
+
+
+#: where saving every matmul output holds more than full storage: a tiny attention segment
+#: (the minimal case a user's policy shrank to when it was read as a fault)
+TINY_ATTENTION = Case(model=TransformerConfig(n_layer=1, n_embd=4, n_head=1,
+                                              attention="manual"),
+                      batch=BatchConfig(1, 1), granularity=parse_granularity("attention"))
+
+
+def test_a_policy_that_holds_more_is_reported_by_what_re_ran() -> None:
+    verdict = verify("correct_impls:user_matmul_policy_checkpoint", TINY_ATTENTION)
+    recompute = verdict.properties[-1]
+    assert recompute.passed, recompute.summary
+    assert "selective recompute held" in recompute.summary
+    assert "re-run skipped 2 of the forward's ops" in recompute.summary
+
+
+def test_as_many_bytes_after_a_full_re_run_still_fail() -> None:
+    """Only a re-run that left out some of the forward's ops is a selective policy: one that
+    re-ran every op and held as much as full storage freed nothing."""
+    t = torch.zeros(1)
+
+    def run(held: int, back: int) -> PathRun:
+        step = StepRecord(t, t, {}, {}, {}, {}, held_bytes=held,
+                          uses={"blocks.0": [11, back]})
+        return PathRun(steps=[step, step], held_bytes=held)
+
+    full = run(100, 0)
+    everything = PropertyResult("recompute", True)
+    _check_freed(full, run(100, 11), everything)
+    assert everything.failures and "nothing was freed" in everything.failures[0]
+    some = PropertyResult("recompute", True)
+    _check_freed(full, run(100, 7), some)
+    assert some.failures == [] and "skipped 4 of the forward's ops" in some.summary
+    nothing = PropertyResult("recompute", True)  # a segment that re-ran nothing at all
+    _check_freed(full, run(100, 0), nothing)
+    assert nothing.failures
+
+
+def test_a_selective_re_run_is_localised_as_a_subsequence() -> None:
+    found = localise(resolve("correct_impls:user_matmul_policy_checkpoint"), TINY_ATTENTION)
+    assert found.divergence is None and found.matched, found.describe()
+
+
+@pytest.mark.parametrize("name", ["recomputed-kept", "saved-inputs-kept",
+                                  "stash-kept-after-warmup"])
+def test_memory_faults_still_fail_with_the_leak_named(name: str) -> None:
+    fault = next(m for m in MUTANTS if m.name == name)
+    verdict = verify(Implementation(name, fault.impl), find_case("2L-layer-manual-attn"))
+    recompute = verdict.properties[-1]
+    assert recompute.passed is False
+    assert "still alive after its backward" in recompute.summary
+    assert "step 2" in recompute.summary
