@@ -36,6 +36,11 @@ def assert_property(name: str, impl: Implementation, case: Case, node: pytest.It
     __tracebackhide__ = True
     run = runtime.RUN
     run.used = impl
+    declined = impl.declines(case.grad_mode)  # one place for every route, a fixture's too
+    if declined:
+        if currently_in_test_context() and run.options.case is None:
+            reject()  # a drawn case: draw another
+        pytest.skip(f"{case.describe()}: {declined}")
     device = run.device()
     # After a test's first failure, every new case it runs is Hypothesis shrinking it:
     # counted in the report, not kept (only the minimal one is).

@@ -68,6 +68,20 @@ class Implementation:
         return tuple(mode for mode in GRAD_MODES if mode not in refused
                      and (mode not in OPT_IN_GRAD_MODES or mode in claimed))
 
+    def declines(self, grad_mode: str) -> str:
+        """Why it is not checked on cases that ask for gradients by ``grad_mode`` (its own
+        declaration, read from its target here for every route: ``check``, the plugin's
+        option, a conftest's fixture, ``verify``); "" where it is checked."""
+        if grad_mode in self.grad_modes:
+            return ""
+        refused, _ = _declared(self.target)
+        if grad_mode in refused:
+            return f"{self.spec} declares gradequiv_unsupported = {tuple(sorted(refused))!r}"
+        if grad_mode in OPT_IN_GRAD_MODES:
+            return (f"{grad_mode} is opt-in and {self.spec} does not claim it "
+                    f"(gradequiv_supports = ({grad_mode!r},) would)")
+        return f"{self.spec} is told to run reentrant, which refuses {grad_mode}"
+
     def __post_init__(self) -> None:
         if self.adapter not in ADAPTERS:
             raise InvalidArgument(
