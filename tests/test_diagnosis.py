@@ -94,6 +94,20 @@ def test_the_end_of_the_process_and_an_exception_are_named_before_any_property()
     assert raised.cause == "raised" and "ValueError: boom" in raised.sentence
 
 
+def test_a_refusal_of_autograd_grad_is_said_as_one_with_the_declaration_to_make() -> None:
+    impl = resolve("correct_impls:undeclared_reentrant_checkpoint")
+    verdict = verify(impl, find_case("2L-layer-autograd-grad-dropout"))
+    assert verdict.error is not None  # it raises: a failure, not a skip
+    said = diagnose(_failure("gradients"), verdict_record(impl, verdict, torch.device("cpu")))
+    cause, sentence = said.cause, said.sentence
+    assert cause == "refuses-autograd-grad"
+    assert "refuses torch.autograd.grad" in sentence
+    assert 'gradequiv_unsupported = ("autograd-grad",)' in sentence
+    record = _record(gradients="n/a") | {"error": "Traceback ...\nRuntimeError: backward "
+                                         "through .grad() failed: out of memory"}
+    assert diagnose(_failure("gradients"), record).cause == "raised"
+
+
 def test_a_forward_or_an_inference_fault_is_not_blamed_on_the_recompute() -> None:
     assert diagnose(_failure("outputs"), _record(outputs="fail")).cause == "forward-changed"
     assert diagnose(_failure("inference"),

@@ -21,7 +21,8 @@ from typing import Any
 __all__ = ["CAUSES", "Diagnosis", "diagnose"]
 
 #: Every cause a diagnosis can name.
-CAUSES = ("raised", "process", "global-state", "rng-not-restored", "autocast-lost",
+CAUSES = ("raised", "refuses-autograd-grad", "process", "global-state", "rng-not-restored",
+          "autocast-lost",
           "inputs-lost", "input-grads-dropped", "grad-mode-ignored", "grad-touched",
           "forward-changed", "buffers-updated-twice", "no-recompute", "recompute-count",
           "no-memory-saved", "leak", "rng-stream-moved", "later-step", "inference",
@@ -59,6 +60,12 @@ def _cause(failure: dict[str, Any], record: dict[str, Any] | None,
         return "process", f"the implementation ended or stalled the process: {failure['message']}"
     if record is not None and record.get("error"):
         last = record["error"].strip().splitlines()[-1]
+        if _refuses_autograd_grad(last):
+            return "refuses-autograd-grad", (
+                f"the implementation refuses torch.autograd.grad ({last}); if that is by "
+                f"design, as with torch's reentrant checkpoint, declare "
+                f"`gradequiv_unsupported = (\"autograd-grad\",)` on the callable and those "
+                f"cases are skipped")
         return "raised", (f"the implementation raised during {record.get('error_at') or 'the run'}"
                           f": {last}")
     texts = {name: _texts(record, name) for name in failing}
@@ -150,6 +157,16 @@ def _cause(failure: dict[str, Any], record: dict[str, Any] | None,
                                    f"implementation changes what the segment computes")
     first = failure["message"].splitlines()[0] if failure.get("message") else prop
     return "other", f"property {prop} fails: {first}"
+
+
+def _refuses_autograd_grad(line: str) -> bool:
+    """Whether an exception's last line is a refusal of torch.autograd.grad (torch's reentrant
+    checkpoint: "... is incompatible with .grad() or passing an `inputs` parameter to
+    .backward()"), not a crash."""
+    text = line.lower()
+    return any(name in text for name in (".grad()", "autograd.grad")) and any(
+        word in text for word in ("incompatible", "not compatible", "not supported",
+                                  "does not support", "unsupported"))
 
 
 def _from_divergence(op: dict[str, Any]) -> tuple[str, str] | None:
