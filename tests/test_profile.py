@@ -460,3 +460,12 @@ def test_bad_budgets_and_segment_names_are_exit_2_in_one_line(
     assert main(["profile", "--impl", "torch", "--steps", "1", "--warmup", "0", *args]) == 2
     err = capsys.readouterr().err
     assert message in err and err.count("\n") == 1, err
+
+
+def test_the_knee_is_told_per_kib_where_the_steps_save_less_than_a_mib() -> None:
+    rows = [_row("none", 10, 64 * 1024), _row("every:2", 14, 32 * 1024),  # 0.125 ms per KiB
+            _row("layer", 42, 16 * 1024)]  # 1.75 ms per KiB
+    rec = profiling.recommend(rows, batch=8)
+    assert rec["knee"] == "every:2"
+    assert "0.12 ms of step time per KiB of peak saved" in rec["why"]
+    assert "1.75 ms per KiB, 14.00x as much" in rec["why"]

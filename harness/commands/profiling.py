@@ -394,7 +394,7 @@ def recommend(rows: list[GranularityProfile], *, batch: int, unit: str = "tokens
                       key=lambda r: (r.step_s["p50"], -peak_bytes(r)))
     knee, why = frontier[0], "it is the only point on the frontier"
     if len(frontier) > 1:
-        why = (f"no step along the frontier costs more than {KNEE_FACTOR:g}x the time per MiB "
+        why = (f"no step along the frontier costs more than {KNEE_FACTOR:g}x the time per byte "
                f"saved of the steps before it, so the point that saves the most is still a "
                f"fair buy")
         knee = frontier[-1]
@@ -402,14 +402,17 @@ def recommend(rows: list[GranularityProfile], *, batch: int, unit: str = "tokens
         for before, after in zip(frontier, frontier[1:]):
             saved_so_far = peak_bytes(start) - peak_bytes(before)
             step_saved = peak_bytes(before) - peak_bytes(after)
-            so_far = (_ms_per_mib(before.step_s["p50"] - start.step_s["p50"], saved_so_far)
+            # per MiB, or per KiB where the steps are that small (a test model's)
+            unit, size = (("MiB", 2**20) if min(saved_so_far, step_saved) >= 2**20
+                          else ("KiB", 2**10))
+            so_far = (_ms_per(before.step_s["p50"] - start.step_s["p50"], saved_so_far, size)
                       if before is not start else None)
-            this = _ms_per_mib(after.step_s["p50"] - before.step_s["p50"], step_saved)
+            this = _ms_per(after.step_s["p50"] - before.step_s["p50"], step_saved, size)
             if so_far is not None and this > KNEE_FACTOR * so_far:
                 knee = before
                 why = (f"reaching it from {start.granularity} costs {so_far:.2f} ms of step time "
-                       f"per MiB of peak saved; going on to {after.granularity} costs "
-                       f"{this:.2f} ms per MiB, "
+                       f"per {unit} of peak saved; going on to {after.granularity} costs "
+                       f"{this:.2f} ms per {unit}, "
                        f"{this / so_far if so_far else float('inf'):.2f}x as much (more than "
                        f"{KNEE_FACTOR:g}x is clearly more)")
                 break
@@ -437,8 +440,9 @@ def recommend(rows: list[GranularityProfile], *, batch: int, unit: str = "tokens
     return result
 
 
-def _ms_per_mib(seconds: float, saved_bytes: int) -> float:
-    return seconds * 1e3 / (saved_bytes / 2**20) if saved_bytes > 0 else float("inf")
+def _ms_per(seconds: float, saved_bytes: int, size: int) -> float:
+    """Milliseconds of step time per ``size`` bytes saved."""
+    return seconds * 1e3 / (saved_bytes / size) if saved_bytes > 0 else float("inf")
 
 
 def _budget_verdict(rows: list[GranularityProfile], fastest: GranularityProfile | None,
