@@ -59,6 +59,7 @@ def test_an_exit_mid_run_fails_and_keeps_every_finished_case(tmp_path: Path) -> 
     # every case the child finished is kept, not only those its last report write held
     kept = int(done.stderr.split("gradequiv: ")[-1].split(" case(s) finished")[0])
     assert kept == len(report["cases"])
+    assert "**Incomplete**" in (tmp_path / "report.md").read_text()  # rendered again
 
 
 def test_an_exit_at_the_first_call_fails_without_a_report(tmp_path: Path) -> None:
@@ -83,13 +84,25 @@ def test_a_hang_is_stopped_after_the_case_timeout(tmp_path: Path) -> None:
     assert "the implementation hung during" in done.stderr and "(--case-timeout)" in done.stderr
     assert time.monotonic() - started < 120
     _ended_report(tmp_path)
-    # Nobody interrupted: one line says which case hung, not pytest's KeyboardInterrupt.
-    said = done.stdout + done.stderr
+
+
+def test_a_hang_is_one_line_not_an_interruption(
+        monkeypatch: pytest.MonkeyPatch, capfd: pytest.CaptureFixture[str]) -> None:
+    """Nobody interrupted: one line says which case hung, not pytest's KeyboardInterrupt
+    and "interrupted" (a child stopped with SIGTERM had time to print both)."""
+    from gradequiv.harness.commands import supervise
+
+    monkeypatch.setattr(supervise, "STOP_GRACE_S", 60.0)  # time enough to print anything
+    monkeypatch.chdir(TESTS)
+    monkeypatch.setenv("PYTHONPATH", str(TESTS))
+    code = main(["check", "--impl", "wrong_impls:hangs_later", *MANY, "--case-timeout", "3"])
+    out, err = capfd.readouterr()
+    assert code == 1, err
+    said = out + err
     assert "KeyboardInterrupt" not in said and "interrupted" not in said, said
     hung = [line for line in said.splitlines() if "hung" in line]
     assert len(hung) == 1 and hung[0].startswith("gradequiv: FAIL: the implementation hung "
                                                  "during "), hung
-    assert (tmp_path / "report.md").read_text().startswith("## gradequiv")
 
 
 def test_sys_exit_in_the_implementation_is_its_failure(tmp_path: Path) -> None:

@@ -6,11 +6,15 @@ the run with a false pass. The child tells this process, over a pipe, which
 case it is about to run, each case it finished, the phase it is in (a
 replay, a localisation) and, last, the exit code it chose. This process:
 
-- passes the child's exit code on when the child said it was done;
+- passes the child's exit code on when the child said it was done (a child
+  slow to exit after that is stopped with a note: the verdict stands, and
+  nobody is blamed for a slow teardown; the child itself names the threads
+  and processes the implementation left running, :mod:`.leftovers`);
 - otherwise (the child exited without saying so, was killed, or sent
   nothing for ``--case-timeout`` seconds) stops it, says which case it was
-  running and how it ended, writes report.json with every case that
-  finished (incomplete, failing) and exits 1;
+  running and how it ended, writes report.json (and report.md) with every
+  case that finished (incomplete, failing) and exits 1; a hung child is
+  stopped with :data:`HANG_SIGNAL`, which ends it quietly;
 - forwards SIGINT and SIGTERM to the child, which writes its report as an
   interrupted run does.
 
