@@ -84,7 +84,7 @@ def _route_calls(module: nn.Module, router: Router) -> None:
     running = [0]  # > 0 while the router runs this segment
 
     def __call__(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
-        if running[0] or torch._C._current_graph_task_id() != -1:  # re-run by the impl
+        if running[0] or _in_backward():  # the implementation re-running it
             return own_call(self, *args, **kwargs)
         running[0] += 1
         try:
@@ -94,6 +94,12 @@ def _route_calls(module: nn.Module, router: Router) -> None:
 
     module.__class__ = type(cls.__name__, (cls,), {
         "__call__": __call__, "__module__": cls.__module__, "__qualname__": cls.__qualname__})
+
+
+def _in_backward() -> bool:
+    """Whether autograd runs a backward now (on this thread). A compiled forward (traced,
+    where this cannot be asked) is never inside one."""
+    return not torch.compiler.is_compiling() and torch._C._current_graph_task_id() != -1
 
 
 class ExternalModel(RoutedModel):
