@@ -108,6 +108,18 @@ def test_a_refusal_of_autograd_grad_is_said_as_one_with_the_declaration_to_make(
     assert diagnose(_failure("gradients"), record).cause == "raised"
 
 
+def test_frozen_inputs_of_a_reentrant_segment_are_named_as_such() -> None:
+    impl = resolve("torch-reentrant")
+    verdict = verify(impl, find_case("2L-layer-frozen-embeddings"))
+    record = verdict_record(impl, verdict, torch.device("cpu"))
+    said = diagnose(_failure("gradients"), record)
+    assert said.cause == "no-input-requires-grad"
+    assert "no input of the segment requires grad" in said.sentence
+    assert "non-reentrant" in said.sentence
+    record["warnings"] = []  # without torch's warning, the frozen embeddings still tell it
+    assert diagnose(_failure("gradients"), record).cause == "no-input-requires-grad"
+
+
 def test_a_forward_or_an_inference_fault_is_not_blamed_on_the_recompute() -> None:
     assert diagnose(_failure("outputs"), _record(outputs="fail")).cause == "forward-changed"
     assert diagnose(_failure("inference"),

@@ -23,7 +23,8 @@ __all__ = ["CAUSES", "Diagnosis", "diagnose"]
 #: Every cause a diagnosis can name.
 CAUSES = ("raised", "refuses-autograd-grad", "process", "global-state", "rng-not-restored",
           "autocast-lost",
-          "inputs-lost", "input-grads-dropped", "grad-mode-ignored", "grad-touched",
+          "inputs-lost", "no-input-requires-grad", "input-grads-dropped", "grad-mode-ignored",
+          "grad-touched",
           "forward-changed", "buffers-updated-twice", "no-recompute", "recompute-count",
           "no-memory-saved", "leak", "rng-stream-moved", "later-step", "inference",
           "nondeterministic", "other")
@@ -85,6 +86,15 @@ def _cause(failure: dict[str, Any], record: dict[str, Any] | None,
             f"the recompute path has gradients where full storage has none{where}: the "
             f"checkpoint builds a graph for a forward that ran under no_grad (a frozen layer), "
             f"so the frozen weights and what feeds them get gradients")
+    missing = [t for t in texts.get("gradients", []) if "absent on the recompute path" in t
+               or "exists only on the full-storage" in t]
+    if missing and _no_input_requires_grad(record, missing):
+        return "no-input-requires-grad", (
+            f"no input of the segment requires grad, so this reentrant checkpoint gives its "
+            f"parameters no gradient ({missing[0].split(':')[0]} is None): its backward only "
+            f"runs when an input needs a gradient (frozen embeddings before the first "
+            f"checkpointed layer); give the segment an input that requires grad, or use the "
+            f"non-reentrant variant")
     for text in texts.get("gradients", []):
         if "absent on the recompute path" in text or "exists only on the full-storage" in text:
             return "input-grads-dropped", (
@@ -157,6 +167,20 @@ def _cause(failure: dict[str, Any], record: dict[str, Any] | None,
                                    f"implementation changes what the segment computes")
     first = failure["message"].splitlines()[0] if failure.get("message") else prop
     return "other", f"property {prop} fails: {first}"
+
+
+def _no_input_requires_grad(record: dict[str, Any] | None, missing: list[str]) -> bool:
+    """Whether a segment ran on inputs none of which requires grad: torch's reentrant
+    checkpoint warns so; frozen embeddings feed the first layer such inputs, and then the
+    gradients missing are the layers' own (each layer's input comes from the one before)."""
+    if record is None:
+        return False
+    if any("None of the inputs have requires_grad=True" in w
+           for w in record.get("warnings", [])):
+        return True
+    model = (record.get("case") or {}).get("model") or {}
+    return bool(model.get("freeze_embeddings")) and all(
+        t.startswith(("grad of blocks.", "grad of input blocks.")) for t in missing)
 
 
 def _refuses_autograd_grad(line: str) -> bool:
