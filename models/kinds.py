@@ -7,8 +7,8 @@ among the reference models by the same names.
 
 from __future__ import annotations
 
-__all__ = ["BATCHNORM", "DRAWN_MODELS", "EXTERNAL", "GRAD_MODES", "MODEL_KINDS",
-           "OPT_IN_GRAD_MODES", "TRANSFORMER"]
+__all__ = ["BATCHNORM", "CASE_FEATURES", "DRAWN_MODELS", "EXTERNAL", "GRAD_MODES",
+           "MODEL_KINDS", "OPT_IN_GRAD_MODES", "TRANSFORMER"]
 
 TRANSFORMER = "transformer"  # the reference transformer (models/transformer.py)
 BATCHNORM = "batchnorm"  # the BatchNorm MLP of the buffers property (models/batchnorm.py)
@@ -30,3 +30,8 @@ GRAD_MODES = ("backward", "autograd-grad", "accumulate", "create-graph")
 #: Double backward is opt-in: reentrant checkpoints cannot run it by design, and selective
 #: activation checkpoint refuses a second backward over a region.
 OPT_IN_GRAD_MODES = ("create-graph",)
+#: What else a case may have that an implementation may refuse by design, loudly, and
+#: declare in ``gradequiv_unsupported``: in-place ops on intermediates (torch's selective
+#: checkpoint raises "Tensor cached during selective activation checkpoint has been
+#: mutated" when one writes into an output its policy saved).
+CASE_FEATURES = ("inplace-ops",)

@@ -36,7 +36,8 @@ def assert_property(name: str, impl: Implementation, case: Case, node: pytest.It
     __tracebackhide__ = True
     run = runtime.RUN
     run.used = impl
-    declined = impl.declines(case.grad_mode)  # one place for every route, a fixture's too
+    # one place for every route, a fixture's too
+    declined = impl.declines(case.grad_mode, case.features())
     if declined:
         if currently_in_test_context() and run.options.case is None:
             reject()  # a drawn case: draw another

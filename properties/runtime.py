@@ -178,6 +178,13 @@ class SuiteState:
             return GRAD_MODES
         return self.implementation().grad_modes
 
+    def declines(self, case: Any) -> str:
+        """Why the named implementation is not checked on ``case`` ("" where it is, and
+        where none is named: a conftest's is asked case by case)."""
+        if self.options.impl is None:
+            return ""
+        return self.implementation().declines(case.grad_mode, case.features())
+
     def device(self) -> Any:
         """The run's torch device, resolved on first use."""
         if self._device is None:

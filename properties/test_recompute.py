@@ -139,7 +139,7 @@ def _spread() -> list[Case]:
         named = default_cases()
         if BATCHNORM in OPTIONS.models:
             named += [c for c in extra_cases() if c.model_kind == BATCHNORM]
-        return [c for c in named if c.grad_mode in modes]
+        return [c for c in named if c.grad_mode in modes and not runtime.RUN.declines(c)]
     from gradequiv.models import ExternalConfig
 
     model = ExternalConfig(OPTIONS.model)

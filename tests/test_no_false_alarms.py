@@ -98,3 +98,30 @@ def test_memory_faults_still_fail_with_the_leak_named(name: str) -> None:
     assert recompute.passed is False
     assert "still alive after its backward" in recompute.summary
     assert "step 2" in recompute.summary
+
+
+INPLACE = "2L-layer-inplace-ops-manual-attn-relu-dropout"
+
+
+def test_torch_sac_declares_in_place_ops_which_it_refuses_by_design() -> None:
+    sac = resolve("torch-sac")
+    assert "inplace-ops" in sac.declines("backward", find_case(INPLACE).features())
+    verdict = verify(sac, find_case(INPLACE))
+    assert verdict.passed and verdict.seconds == {}  # not run at all
+
+
+def test_a_users_policy_refusing_an_in_place_op_is_no_fault() -> None:
+    """torch's SAC raises when an in-place op writes into an output its policy saved: loud,
+    by design, never a wrong gradient. Undeclared, the case is not applicable; the same
+    error on a case without in-place ops stays a failure."""
+    verdict = verify("correct_impls:user_matmul_policy_checkpoint", find_case(INPLACE))
+    assert verdict.passed and verdict.error is None
+    assert all(p.passed is None and "refuses an in-place op" in p.summary
+               for p in verdict.properties)
+    from gradequiv.harness.engine.verify import SAC_REFUSES_MUTATION
+
+    def raises(function: object, *args: object, **kwargs: object) -> object:
+        raise RuntimeError(SAC_REFUSES_MUTATION)
+
+    elsewhere = verify(Implementation("raises", raises), find_case("2L-layer-manual-attn"))
+    assert not elsewhere.passed and SAC_REFUSES_MUTATION in (elsewhere.error or "")

@@ -82,11 +82,11 @@ def _run(options: CheckOptions, observer: Any) -> int:
         case = load_case(options.case)
         check_runnable(case, device)
         Tolerance(case.dtype, options.rtol, options.atol)
-        declined = impl.declines(case.grad_mode)
+        declined = impl.declines(case.grad_mode, case.features())
         if declined:
             raise InvalidArgument(
-                f"--case={options.case!r} asks for gradients by {case.grad_mode}, and "
-                f"{declined}: the case would check nothing; pick a case of another grad mode")
+                f"--case={options.case!r}: {declined}, so the case would check nothing; "
+                f"pick another case")
     if options.model is not None:
         check_model(options.model)
     elif impl.spec == "hf" and (case is None or case.model_kind != EXTERNAL):

@@ -99,6 +99,10 @@ class Case:
     def model_kind(self) -> str:
         return next(kind for kind, config in _CONFIGS.items() if isinstance(self.model, config))
 
+    def features(self) -> tuple[str, ...]:
+        """What of ``CASE_FEATURES`` the case has, for ``Implementation.declines``."""
+        return ("inplace-ops",) if getattr(self.model, "inplace_ops", False) else ()
+
     def describe(self) -> str:
         """A short human line: what makes this case this case, random sites included."""
         m = self.model

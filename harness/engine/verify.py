@@ -56,6 +56,10 @@ from gradequiv.harness.implementations.compiled import FLOOR, REFERENCE, Compile
 from gradequiv.harness.implementations.resolve import resolve
 from gradequiv.models import NoRecompute, build
 
+#: What torch's selective checkpoint raises when an in-place op wrote into an output its
+#: policy saved (torch/utils/checkpoint.py).
+SAC_REFUSES_MUTATION = "Tensor cached during selective activation checkpoint has been mutated"
+
 PROPERTIES = ("outputs", "gradients", "buffers", "rng", "trajectory", "inference", "recompute")
 
 
@@ -179,7 +183,7 @@ def verify(
     impl = resolve(impl) if isinstance(impl, str) else impl
     device = torch.device(device)
     verdict = Verdict(case=case, impl=impl.spec, device=str(device))
-    declined = impl.declines(case.grad_mode)
+    declined = impl.declines(case.grad_mode, case.features())
     if declined:  # what it says it does not do is not held against it
         verdict.properties = [PropertyResult(name, None, f"not applicable: {declined}")
                               for name in PROPERTIES]
@@ -225,6 +229,15 @@ def verify(
     if stuck:
         verdict.warnings = [*verdict.warnings, "gradequiv: torch's global switches could not "
                             f"be put back after this case: {'; '.join(stuck)}"]
+    refused = recompute.error is not None and SAC_REFUSES_MUTATION in recompute.error
+    if refused and "inplace-ops" in case.features():
+        # torch's selective checkpoint refuses, loudly and by design, an in-place op on an
+        # output its policy saved: the case asks what this policy cannot do, nothing wrong
+        verdict.properties = [PropertyResult(
+            name, None, "not applicable: torch's selective checkpoint refuses an in-place op "
+            "on an output its policy saved (it raises; declare gradequiv_unsupported = "
+            "(\"inplace-ops\",) to skip such cases)") for name in PROPERTIES]
+        return verdict
     if recompute.error is not None:
         verdict.error, verdict.error_at = recompute.error, recompute.error_at
         verdict.properties = [

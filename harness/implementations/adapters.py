@@ -22,7 +22,7 @@ from gradequiv.harness.errors import InvalidArgument
 from gradequiv.harness.implementations.torch_builtins import OFFLOAD, SELECTIVE
 from gradequiv.harness.options import ADAPTERS
 from gradequiv.models import Segment
-from gradequiv.models.kinds import GRAD_MODES, OPT_IN_GRAD_MODES
+from gradequiv.models.kinds import CASE_FEATURES, GRAD_MODES, OPT_IN_GRAD_MODES
 from gradequiv.models.segments import Router
 
 if TYPE_CHECKING:
@@ -68,13 +68,18 @@ class Implementation:
         return tuple(mode for mode in GRAD_MODES if mode not in refused
                      and (mode not in OPT_IN_GRAD_MODES or mode in claimed))
 
-    def declines(self, grad_mode: str) -> str:
-        """Why it is not checked on cases that ask for gradients by ``grad_mode`` (its own
-        declaration, read from its target here for every route: ``check``, the plugin's
-        option, a conftest's fixture, ``verify``); "" where it is checked."""
+    def declines(self, grad_mode: str, features: tuple[str, ...] = ()) -> str:
+        """Why it is not checked on cases that ask for gradients by ``grad_mode``, or have one
+        of ``features`` (``CASE_FEATURES``): its own declaration, read from its target here
+        for every route (``check``, the plugin's option, a conftest's fixture, ``verify``);
+        "" where it is checked."""
+        refused, _ = _declared(self.target)
+        declined = [f for f in features if f in refused]
+        if declined:
+            return (f"{self.spec} declares gradequiv_unsupported = "
+                    f"{tuple(sorted(refused))!r} (the case has {', '.join(declined)})")
         if grad_mode in self.grad_modes:
             return ""
-        refused, _ = _declared(self.target)
         if grad_mode in refused:
             return f"{self.spec} declares gradequiv_unsupported = {tuple(sorted(refused))!r}"
         if grad_mode in OPT_IN_GRAD_MODES:
@@ -140,10 +145,12 @@ def _declared(target: Callable[..., Any]) -> tuple[set[str], set[str]]:
         if isinstance(names, str) or not all(isinstance(n, str) for n in names):
             raise InvalidArgument(f"{attr}={names!r} on {target!r}: a tuple of grad mode "
                                   f"names is needed, e.g. {attr} = ({GRAD_MODES[-1]!r},)")
-        unknown = sorted(set(names) - set(GRAD_MODES))
+        known = GRAD_MODES + (CASE_FEATURES if attr == "gradequiv_unsupported" else ())
+        unknown = sorted(set(names) - set(known))
         if unknown:
             raise InvalidArgument(f"{attr} on {target!r} names {', '.join(map(repr, unknown))}, "
-                                  f"no grad mode; the modes are {', '.join(GRAD_MODES)}")
+                                  f"no grad mode or case feature; the names are "
+                                  f"{', '.join(known)}")
     return set(lists["gradequiv_unsupported"]), set(lists["gradequiv_supports"])
 
 

@@ -177,6 +177,10 @@ def torch_sac(function: Callable[..., Any], *args: Any, policy: str = "matmuls",
 
 
 torch_sac.gradequiv_strategy = SELECTIVE  # type: ignore[attr-defined]
+# An in-place op on an output its policy saved (scores scaled in place after their matmul)
+# makes torch's SAC raise "Tensor cached during selective activation checkpoint has been
+# mutated": a refusal by design, loud, never a wrong gradient.
+torch_sac.gradequiv_unsupported = ("inplace-ops",)  # type: ignore[attr-defined]
 
 
 # -- torch: checkpoint_wrapper ------------------------------------------------------------
