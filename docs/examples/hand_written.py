@@ -3,13 +3,15 @@
 ``my_checkpoint`` restores the RNG state but forgets the autocast state:
 ``gradequiv check --impl hand_written:my_checkpoint`` passes every fp32 case
 and fails the autocast ones (bf16 and fp16). ``my_checkpoint_fixed`` re-enters
-autocast. Both pass tensor keyword arguments to the autograd.Function as inputs
-(a tensor bound in a closure would get no gradient of its own), and both call
+autocast. Both pass every tensor of their arguments, by keyword or nested in
+containers, to the autograd.Function as inputs (a tensor bound in a closure
+would get no gradient of its own), and both call
 backward inside backward, as torch's reentrant checkpoint does, so neither can
 run under ``torch.autograd.grad``: they say so, and those cases are not drawn.
 """
 
 import torch
+from torch.utils._pytree import tree_flatten, tree_unflatten
 
 
 class _Recompute(torch.autograd.Function):
@@ -32,15 +34,19 @@ class _Recompute(torch.autograd.Function):
 
 
 def _apply(function, autocast, args, kwargs):
-    """Tensor keyword arguments go in after ``args``, as inputs of the Function."""
-    names = [k for k, v in kwargs.items() if isinstance(v, torch.Tensor)]
-    rest = {k: v for k, v in kwargs.items() if k not in names}
-    n = len(args)
+    """Every tensor of the arguments, by keyword or nested in lists, tuples and dicts, goes in
+    as an input of the Function: one left in a closure or a container gets no gradient."""
+    leaves, spec = tree_flatten((args, kwargs))
+    where = [i for i, x in enumerate(leaves) if isinstance(x, torch.Tensor)]
 
-    def run(*inputs):
-        return function(*inputs[:n], **rest, **dict(zip(names, inputs[n:])))
+    def run(*tensors):
+        filled = list(leaves)
+        for i, t in zip(where, tensors):
+            filled[i] = t
+        call_args, call_kwargs = tree_unflatten(filled, spec)
+        return function(*call_args, **call_kwargs)
 
-    return _Recompute.apply(run, autocast, *args, *(kwargs[k] for k in names))
+    return _Recompute.apply(run, autocast, *(leaves[i] for i in where))
 
 
 def my_checkpoint(function, *args, **kwargs):

@@ -183,7 +183,7 @@ def verify(
     impl = resolve(impl) if isinstance(impl, str) else impl
     device = torch.device(device)
     verdict = Verdict(case=case, impl=impl.spec, device=str(device))
-    declined = impl.declines(case.grad_mode, case.features())
+    declined = impl.declines(case.grad_mode, case.features(), unclaimed=False)
     if declined:  # what it says it does not do is not held against it
         verdict.properties = [PropertyResult(name, None, f"not applicable: {declined}")
                               for name in PROPERTIES]

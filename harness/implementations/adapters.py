@@ -68,11 +68,13 @@ class Implementation:
         return tuple(mode for mode in GRAD_MODES if mode not in refused
                      and (mode not in OPT_IN_GRAD_MODES or mode in claimed))
 
-    def declines(self, grad_mode: str, features: tuple[str, ...] = ()) -> str:
+    def declines(self, grad_mode: str, features: tuple[str, ...] = (), *,
+                 unclaimed: bool = True) -> str:
         """Why it is not checked on cases that ask for gradients by ``grad_mode``, or have one
         of ``features`` (``CASE_FEATURES``): its own declaration, read from its target here
         for every route (``check``, the plugin's option, a conftest's fixture, ``verify``);
-        "" where it is checked."""
+        "" where it is checked. ``unclaimed=False``: an opt-in mode it does not claim is
+        still run (``verify`` forcing it there, to see what it does)."""
         refused, _ = _declared(self.target)
         declined = [f for f in features if f in refused]
         if declined:
@@ -83,6 +85,8 @@ class Implementation:
         if grad_mode in refused:
             return f"{self.spec} declares gradequiv_unsupported = {tuple(sorted(refused))!r}"
         if grad_mode in OPT_IN_GRAD_MODES:
+            if not unclaimed:
+                return ""
             return (f"{grad_mode} is opt-in and {self.spec} does not claim it "
                     f"(gradequiv_supports = ({grad_mode!r},) would)")
         return f"{self.spec} is told to run reentrant, which refuses {grad_mode}"
