@@ -71,6 +71,8 @@ def run(options: CheckOptions, argv: list[str], *, case_timeout: float) -> int:
         ended = child.watch(case_timeout)
     if ended is None:
         return child.code
+    # The child's progress dots may have left its line open: the verdict starts a new one.
+    print(flush=True)
     print(f"gradequiv: FAIL: {ended}", file=sys.stderr)
     kept = _write_ended_report(options.report_dir, child, ended)
     print(f"gradequiv: {len(child.records)} case(s) finished before it; {kept}",
