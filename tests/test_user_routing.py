@@ -213,6 +213,7 @@ def test_saved_since_reads_what_a_call_saved_from_its_graph() -> None:
         assert not saved_since(linear(x), start)
 
 
+@pytest.mark.slow  # whole check runs; the routing itself is held by the tests above
 @pytest.mark.parametrize("factory, status", [*((f, 0) for f in SAFE),
                                               ("hooked_running_mean", 1)])
 def test_gradequiv_check_passes_the_safe_user_models_and_fails_the_unsafe_one(
