@@ -119,3 +119,16 @@ def test_a_process_started_by_torch_is_not_the_implementation_s() -> None:
     finally:
         process.kill()
         process.wait()
+
+
+def test_a_thread_a_helper_starts_is_its_caller_s() -> None:
+    """tqdm's monitor thread, started for torch's compiler progress bars, is torch's; started
+    for the implementation's own bar, it is the implementation's."""
+    helper = types.ModuleType("tqdm._monitor_like")
+    exec("import sys\ndef start(find):\n    return find(sys._getframe())", helper.__dict__)
+    for package, blamed in (("torch", False), ("mypkg", True)):
+        caller = types.ModuleType(f"{package}.progress")
+        exec("def run(helper, find):\n    return helper.start(find)", caller.__dict__)
+        where = caller.run(helper, leftovers._starter)
+        assert where is not None and where.startswith(f"{package}.progress:")
+        assert (leftovers._owner(where) not in leftovers.NOT_THE_IMPLEMENTATION) is blamed

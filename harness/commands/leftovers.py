@@ -35,6 +35,9 @@ NOT_THE_IMPLEMENTATION = frozenset({
     "numpy",
 })
 _STDLIB = frozenset(sys.stdlib_module_names) | {"__main__"}
+#: Helpers whose threads are their caller's: a starter is looked for past their frames
+#: (tqdm's monitor thread, started for torch's compiler progress bars, is torch's).
+_HELPERS = frozenset({"tqdm"})
 
 
 @dataclass
@@ -147,11 +150,12 @@ def _audit(event: str, args: tuple[Any, ...]) -> None:
 
 
 def _starter(frame: types.FrameType | None) -> str | None:
-    """The first frame outside the standard library: ``package/file.py:line in function``,
-    the package first, as :func:`_owner` reads it."""
+    """The first frame outside the standard library and the helpers that start threads for
+    their caller: ``package/file.py:line in function``, the package first, as
+    :func:`_owner` reads it."""
     while frame is not None:
         module = str(frame.f_globals.get("__name__", ""))
-        if module.partition(".")[0] not in _STDLIB and module != __name__:
+        if module.partition(".")[0] not in _STDLIB | _HELPERS and module != __name__:
             return f"{module}:{frame.f_lineno} in {frame.f_code.co_name}"
         frame = frame.f_back
     return None
@@ -163,8 +167,8 @@ def _target_site(thread: threading.Thread) -> str | None:
     if target is None and type(thread).run is not threading.Thread.run:
         target = type(thread).run
     module = getattr(target, "__module__", None)
-    if not module or module.partition(".")[0] in _STDLIB:
-        return None  # a stdlib worker (an executor's) whose starter was not seen
+    if not module or module.partition(".")[0] in _STDLIB | _HELPERS:
+        return None  # a stdlib or helper worker whose starter was not seen
     return f"{module}:{getattr(target, '__qualname__', '?')}"
 
 
