@@ -8,7 +8,7 @@ among the reference models by the same names.
 from __future__ import annotations
 
 __all__ = ["BATCHNORM", "CASE_FEATURES", "DRAWN_MODELS", "EXTERNAL", "GRAD_MODES",
-           "MODEL_KINDS", "OPT_IN_GRAD_MODES", "TRANSFORMER"]
+           "INPLACE_OPS", "MODEL_KINDS", "OPT_IN_GRAD_MODES", "TRANSFORMER"]
 
 TRANSFORMER = "transformer"  # the reference transformer (models/transformer.py)
 BATCHNORM = "batchnorm"  # the BatchNorm MLP of the buffers property (models/batchnorm.py)
@@ -34,4 +34,5 @@ OPT_IN_GRAD_MODES = ("create-graph",)
 #: declare in ``gradequiv_unsupported``: in-place ops on intermediates (torch's selective
 #: checkpoint raises "Tensor cached during selective activation checkpoint has been
 #: mutated" when one writes into an output its policy saved).
-CASE_FEATURES = ("inplace-ops",)
+INPLACE_OPS = "inplace-ops"
+CASE_FEATURES = (INPLACE_OPS,)

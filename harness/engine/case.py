@@ -24,7 +24,14 @@ from gradequiv.models import (
     TransformerConfig,
     parse_granularity,
 )
-from gradequiv.models.kinds import BATCHNORM, EXTERNAL, GRAD_MODES, MODEL_KINDS, TRANSFORMER
+from gradequiv.models.kinds import (
+    BATCHNORM,
+    EXTERNAL,
+    GRAD_MODES,
+    INPLACE_OPS,
+    MODEL_KINDS,
+    TRANSFORMER,
+)
 
 #: Precision regimes. Autocast ones keep fp32 weights and fp32 gradients; ``bf16-model``
 #: casts the model itself (weights, gradients and float inputs in bfloat16, no autocast).
@@ -101,7 +108,7 @@ class Case:
 
     def features(self) -> tuple[str, ...]:
         """What of ``CASE_FEATURES`` the case has, for ``Implementation.declines``."""
-        return ("inplace-ops",) if getattr(self.model, "inplace_ops", False) else ()
+        return (INPLACE_OPS,) if getattr(self.model, "inplace_ops", False) else ()
 
     def describe(self) -> str:
         """A short human line: what makes this case this case, random sites included."""

@@ -55,6 +55,7 @@ from gradequiv.harness.implementations.adapters import Implementation
 from gradequiv.harness.implementations.compiled import FLOOR, REFERENCE, CompileSpec
 from gradequiv.harness.implementations.resolve import resolve
 from gradequiv.models import NoRecompute, build
+from gradequiv.models.kinds import INPLACE_OPS
 
 #: What torch's selective checkpoint raises when an in-place op wrote into an output its
 #: policy saved (torch/utils/checkpoint.py).
@@ -230,7 +231,7 @@ def verify(
         verdict.warnings = [*verdict.warnings, "gradequiv: torch's global switches could not "
                             f"be put back after this case: {'; '.join(stuck)}"]
     refused = recompute.error is not None and SAC_REFUSES_MUTATION in recompute.error
-    if refused and "inplace-ops" in case.features():
+    if refused and INPLACE_OPS in case.features():
         # torch's selective checkpoint refuses, loudly and by design, an in-place op on an
         # output its policy saved: the case asks what this policy cannot do, nothing wrong
         verdict.properties = [PropertyResult(

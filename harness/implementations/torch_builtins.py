@@ -16,6 +16,7 @@ from torch import nn
 from torch.utils._pytree import tree_flatten, tree_leaves, tree_unflatten
 
 from gradequiv.harness.errors import InvalidArgument
+from gradequiv.models.kinds import INPLACE_OPS
 
 #: ``gradequiv_strategy`` of a target that keeps activations in host memory instead of
 #: recomputing them (torch's offloads below; users mark their own the same way).
@@ -180,7 +181,7 @@ torch_sac.gradequiv_strategy = SELECTIVE  # type: ignore[attr-defined]
 # An in-place op on an output its policy saved (scores scaled in place after their matmul)
 # makes torch's SAC raise "Tensor cached during selective activation checkpoint has been
 # mutated": a refusal by design, loud, never a wrong gradient.
-torch_sac.gradequiv_unsupported = ("inplace-ops",)  # type: ignore[attr-defined]
+torch_sac.gradequiv_unsupported = (INPLACE_OPS,)  # type: ignore[attr-defined]
 
 
 # -- torch: checkpoint_wrapper ------------------------------------------------------------
