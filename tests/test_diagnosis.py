@@ -50,6 +50,8 @@ def diagnosed(spec: str, name: str) -> tuple[str, str, dict[str, Any]]:
     (FAULTS + "grad_mode_forced_on", "2L-layer-frozen-first-layer", "grad-mode-ignored",
      "under no_grad"),
     (FAULTS + "stash_kept_after_warmup", "1L-layer-dropout", "leak", "past backward"),
+    (FAULTS + "recomputed_held_to_backward_end", "2L-layer-manual-attn", "recomputed-held",
+     "backward's peak"),
 ])
 def test_each_fault_is_diagnosed_by_its_cause(spec: str, case: str, cause: str,
                                               words: str) -> None:

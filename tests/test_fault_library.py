@@ -81,6 +81,8 @@ EXPECTED: dict[str, tuple[str, str, str]] = {
     "hooks-run-twice": ("hooks", "outputs", "plain"),
     "outside-params-no-grad": ("outside", "gradients", "plain"),
     "outside-params-grad-doubled": ("outside", "gradients", "plain"),
+    # one segment re-run (a group of both layers): nothing earlier to carry
+    "recomputed-held-to-backward-end": ("plain", "recompute", "group"),
 }
 #: The segments that are no plain positional layer call: torch's reentrant checkpoint (its
 #: nested tensors passed positionally by the built-in) passes them too.

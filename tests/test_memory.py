@@ -395,3 +395,54 @@ def test_the_backward_peak_adds_one_recomputed_block_to_the_boundaries(variant: 
     else:
         assert held == 4 * 512
         assert peak.peak_bytes == held + 2 * 8 * 64 * 4
+
+
+def _held_to_the_end(block: nn.Module, h: Tensor, keep: list[Tensor]) -> Tensor:
+    """A non-reentrant checkpoint whose recompute also keeps what it saves in ``keep``."""
+    def pack(t: Tensor) -> Tensor:
+        keep.append(t)
+        return t
+
+    def rerun(*args: Tensor) -> Tensor:
+        if torch.is_grad_enabled():  # the re-run: reentrant's forward runs under no_grad
+            with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+                return block(*args)  # type: ignore[no-any-return]
+        return block(*args)  # type: ignore[no-any-return]
+
+    return checkpoint(rerun, h, use_reentrant=True)  # type: ignore[no-any-return]
+
+
+@pytest.mark.parametrize("variant", ["reentrant", "non-reentrant", "kept"])
+def test_the_carry_sees_earlier_reruns_kept_alive(variant: str) -> None:
+    """4 residual blocks as above, a segment each. A correct recompute carries nothing of a
+    block's re-run into the next block's; one that keeps every re-run's saved tensors until
+    backward ends carries three blocks' worth into the last (each block saves its ReLU's
+    8x64 output), and its peak grows with them."""
+    from gradequiv.harness.engine.attribution import ParameterUses
+    from gradequiv.harness.engine.memory import RecomputeCarry
+
+    blocks = _residual_blocks(4)
+    params = [p for b in blocks for p in b.parameters()]
+    x = torch.randn(8, 16, requires_grad=True)
+    keep: list[Tensor] = []
+    with ActivationCounter(exclude=[*params, x]) as counter:
+        h = x
+        for block in blocks:
+            if variant == "kept":
+                h = h + _held_to_the_end(block, h, keep)
+            else:
+                h = h + checkpoint(block, h, use_reentrant=variant == "reentrant")
+        loss = h.pow(2).sum()
+    held = counter.alive_keys(ignore=[loss])
+    uses = ParameterUses({f"blocks.{i}": b for i, b in enumerate(blocks)}, lambda: 1)
+    with RecomputeCarry(held, uses.take_rerun_hits) as carry, uses:
+        loss.backward(torch.ones_like(loss))
+    block_bytes = 2 * 8 * 64 * 4 + 8 * 16 * 4  # its two 8x64 activations, its saved input
+    if variant == "kept":
+        assert carry.carried_at == ("blocks.0",)
+        assert carry.carried_from == ("blocks.1", "blocks.2", "blocks.3")
+        assert carry.carried_bytes == 3 * 8 * 64 * 4  # ReLU's output, saved for both
+        assert carry.peak_bytes >= 4 * 8 * 64 * 4
+    else:
+        assert carry.carried_bytes * 2 < block_bytes
+        assert carry.peak_bytes <= 4 * 512 + block_bytes

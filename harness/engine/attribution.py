@@ -83,11 +83,13 @@ class ParameterUses:
         self.uses: dict[str, list[int]] = {name: [0, 0] for name in self._modules}
         self._owners: _Owners = {}
         self._mode: _UseMode | None = None
+        self._rerun_hits: set[str] = set()  # modules read in backward with grad on, lately
 
     def reset(self) -> None:
         """Zero every count (between steps), keeping the names."""
         for counter in self.uses.values():
             counter[0] = counter[1] = 0
+        self._rerun_hits = set()
 
     def __enter__(self) -> ParameterUses:
         if self._mode is not None:
@@ -112,6 +114,14 @@ class ParameterUses:
         uses = self.uses
         for name in hit:
             uses[name][phase] += 1
+        if phase:
+            self._rerun_hits |= hit
+
+    def take_rerun_hits(self) -> set[str]:
+        """The modules whose parameters backward's grad-enabled ops read since the last
+        call (a re-run's segments, for ``memory.RecomputeCarry``), and start afresh."""
+        hits, self._rerun_hits = self._rerun_hits, set()
+        return hits
 
 
 # torch leaves TorchDispatchMode untyped (__init_subclass__, __init__, __enter__,

@@ -21,8 +21,9 @@ reference cycles would be over-counted by them until the collector runs.
 
 Every held-bytes figure the harness reports is made here, so that they all
 mean the same: ``ActivationCounter`` (after an eager forward), ``BackwardPeak``
-(during backward), ``SavedBytes`` (a compiled graph) and ``AllocatorWatch``
-(the CUDA allocator's own view, beside the count).
+(during backward, every op: for profiling), ``RecomputeCarry`` (during backward, at
+the end of each re-run: for the verdict), ``SavedBytes`` (a compiled graph) and
+``AllocatorWatch`` (the CUDA allocator's own view, beside the count).
 """
 
 from __future__ import annotations
@@ -39,8 +40,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 if TYPE_CHECKING:
     from typing import Self
 
-__all__ = ["ActivationCounter", "AllocatorWatch", "BackwardPeak", "SavedBytes",
-           "tensor_storage_bytes"]
+__all__ = ["ActivationCounter", "AllocatorWatch", "BackwardPeak", "RecomputeCarry",
+           "SavedBytes", "tensor_storage_bytes"]
 
 # Per op overload, which of its returns can be a new storage: True (all),
 # False (none: views, in-place and out= ops return an input's storage), or the
@@ -317,6 +318,105 @@ class BackwardPeak(_ModeScope):
     def _new_mode(self) -> TorchDispatchMode:
         self._update()  # backward starts from what the forward left
         return _RecomputeRecorder(self)
+
+
+class _LoggedKeys(set[int]):
+    """A set of storage keys that also lists what was added to it, in order."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.added: list[int] = []
+
+    def add(self, key: int) -> None:
+        super().add(key)
+        self.added.append(key)
+
+
+class _RerunRecorder(_StorageRecorder):  # type: ignore[no-untyped-call]
+    """During backward: the storages each re-run creates, and where each re-run ends."""
+
+    def __init__(self, carry: RecomputeCarry) -> None:
+        super().__init__(carry._recomputed)
+        self.carry = carry
+
+    def __torch_dispatch__(
+        self,
+        func: Callable[..., Any],
+        types: Any,
+        args: tuple[Any, ...] = (),
+        kwargs: dict[str, Any] | None = None,
+    ) -> Any:
+        if torch.is_grad_enabled():
+            self.carry._running = True
+            return super().__torch_dispatch__(func, types, args, kwargs)
+        out = func(*args, **(kwargs or {}))
+        if self.carry._running:
+            self.carry._end_rerun()
+        return out
+
+
+class RecomputeCarry(_ModeScope):
+    """Context manager around a backward: how much a segment's earlier re-runs still hold
+    when another segment's re-run ends, and the most activation bytes alive then.
+
+    A re-run is a stretch of ops with grad mode on inside backward (backward's own
+    kernels run with it off; both torch checkpoints re-run with it on); its segments are
+    those whose parameters it read (``segments_hit``, called at its end, says which and
+    starts afresh). A correct recompute lets a segment's recomputed activations go as its
+    backward uses them, so when the next segment's re-run ends, little of the last one is
+    alive: the backward's peak is about one segment's activations above what the forward
+    kept. A recompute that keeps them (a reference cycle between a Function's context and
+    its graph, a list cleared when backward ends) carries every earlier re-run into the
+    next, and its peak grows back to full storage's. Cheap enough for the verdict: the
+    alive bytes are summed once per re-run, not once per op (``BackwardPeak``).
+    """
+
+    def __init__(self, held: Iterable[int], segments_hit: Callable[[], Iterable[str]]) -> None:
+        self._held = frozenset(held)  # the forward's storages alive when backward starts
+        self._segments_hit = segments_hit
+        self._recomputed = _LoggedKeys()  # every storage a re-run made, each once
+        self._by_segments: dict[tuple[str, ...], list[int]] = {}  # re-run segments -> keys
+        self._running = False
+        self.peak_bytes = 0  # forward's storages alive plus re-runs', at their highest
+        self.carried_bytes = 0  # other segments' re-run bytes alive, at their highest
+        self.carried_from: tuple[str, ...] = ()  # ... which segments they were re-run for
+        self.carried_at: tuple[str, ...] = ()  # ... the segment whose re-run had just ended
+        self.own_bytes = 0  # ... and that segment's own re-run bytes alive then
+        weakref.finalize(self, _release, self._recomputed)
+
+    def _new_mode(self) -> TorchDispatchMode:
+        self.peak_bytes = _alive_bytes(self._held, set())
+        return _RerunRecorder(self)
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        if self._running:
+            self._end_rerun()
+        super().__exit__(exc_type, exc, tb)
+
+    def _end_rerun(self) -> None:
+        self._running = False
+        segments = tuple(sorted(self._segments_hit()))
+        keys = self._recomputed.added
+        self._recomputed.added = []
+        self._by_segments.setdefault(segments, []).extend(keys)
+        alive = {owners: _alive_bytes(k, set()) for owners, k in self._by_segments.items()}
+        total = _alive_bytes(self._held, set()) + sum(alive.values())
+        self.peak_bytes = max(self.peak_bytes, total)
+        if not segments:  # read no segment's parameters: nobody to hold it against
+            return
+        others = {owners: n for owners, n in alive.items()
+                  if n and owners and not set(owners) & set(segments)}
+        carried = sum(others.values())
+        if carried > self.carried_bytes:
+            self.carried_bytes = carried
+            self.carried_from = tuple(sorted({s for owners in others for s in owners}))
+            self.carried_at = segments
+            self.own_bytes = alive[segments]
 
 
 class SavedBytes:

@@ -24,6 +24,7 @@ traceback: it becomes a failed verdict, never a crash of the harness.
 from __future__ import annotations
 
 import contextlib
+import functools
 import inspect
 import time
 import traceback
@@ -39,7 +40,7 @@ from torch import Tensor, nn
 from gradequiv.harness.engine.attribution import ParameterUses
 from gradequiv.harness.engine.case import Case
 from gradequiv.harness.engine.global_state import GlobalState, snapshot
-from gradequiv.harness.engine.memory import ActivationCounter, SavedBytes
+from gradequiv.harness.engine.memory import ActivationCounter, RecomputeCarry, SavedBytes
 from gradequiv.harness.engine.path import PreparedPath, build_path
 from gradequiv.harness.engine.saves import SavedCalls
 from gradequiv.harness.implementations.adapters import Implementation
@@ -76,6 +77,15 @@ class StepRecord:
     # counted module -> forward calls that saved a tensor for backward (full storage only)
     saved: dict[str, int] = field(default_factory=dict)
     held_saved: bool | None = None  # whether that forward of held_bytes saved any (the same)
+    # the most activation bytes alive in that micro-batch's backward (the forward's left, plus
+    # what re-runs made; full storage: held_bytes)
+    backward_peak_bytes: int | None = None
+    # the most bytes earlier re-runs of other segments still held when a segment's re-run
+    # ended, those segments, that segment, and its own re-run's bytes then (RecomputeCarry)
+    carried_bytes: int | None = None
+    carried_from: tuple[str, ...] = ()
+    carried_at: tuple[str, ...] = ()
+    carried_own: int = 0
 
 
 @dataclass
@@ -189,6 +199,7 @@ def run_path(
                 kept: list[Tensor] = []
                 touched: set[str] = set()
                 step_held: int | None = None
+                carry: RecomputeCarry | None = None
                 held_saved: bool | None = None  # a selected segment saved in that forward
                 held_keys: frozenset[int] = frozenset()  # the storages step_held counts
                 with made if made is not None else contextlib.nullcontext():
@@ -217,7 +228,15 @@ def run_path(
                         where = f"step {step} backward{part}"
                         if len(batches) > 1:  # the step's loss: the micro-batches' mean
                             loss = loss / len(batches)
-                        with phase.backward():
+                        if measure and made is not None and uses is not None \
+                                and case.grad_mode != "create-graph":
+                            # (create-graph's first backward re-runs with the graph kept:
+                            # what it holds is the double backward's, not a leak)
+                            carry = RecomputeCarry(held_keys, functools.partial(
+                                _rerun_segments, uses, _segment_of(model, segments)))
+                        with phase.backward(), \
+                                carry if carry is not None and k == 0 \
+                                else contextlib.nullcontext():
                             touched |= _ask_gradients(case.grad_mode, loss, params, inputs,
                                                       watch=uses)
                         kept += [loss.detach(), _main_output(outputs).detach()]
@@ -230,7 +249,9 @@ def run_path(
                     # Held for backward is what backward let go of: what the forward made and
                     # is still alive after backward is no activation (a pool allocated on
                     # first use) or a leak, which the later steps' left bytes show.
-                    step_held -= made.bytes_still_alive(held_keys)
+                    still = made.bytes_still_alive(held_keys)
+                    step_held -= still
+                    peak = carry.peak_bytes - still if carry is not None else step_held
                 if step == 1:
                     run.held_bytes = step_held
                 run.steps.append(_record(model, params, inputs, kept, grads_in.grads, calls,
@@ -238,6 +259,12 @@ def run_path(
                 run.steps[-1].held_bytes = step_held
                 run.steps[-1].saved = {n: c[0] for n, c in saves.items()}
                 run.steps[-1].held_saved = held_saved
+                if made is not None and step_held is not None:
+                    run.steps[-1].backward_peak_bytes = max(peak, step_held)
+                if carry is not None:
+                    record = run.steps[-1]
+                    record.carried_bytes, record.carried_own = carry.carried_bytes, carry.own_bytes
+                    record.carried_from, record.carried_at = carry.carried_from, carry.carried_at
                 if uses is not None:
                     run.steps[-1].uses = {n: list(c) for n, c in uses.uses.items()}
                 where = f"step {step} optimizer"
@@ -388,6 +415,19 @@ def _counted_modules(model: nn.Module, segments: list[Segment]) -> dict[str, nn.
     names = {id(m): n for n, m in user_view(model).named_modules()}
     return {names.get(id(module), segment.name): module
             for segment in segments for module in segment.counted}
+
+
+def _segment_of(model: nn.Module, segments: list[Segment]) -> dict[str, str]:
+    """Each counted module's segment (a group's layers are one segment), by the names
+    ``_counted_modules`` gives them."""
+    names = {id(m): n for n, m in user_view(model).named_modules()}
+    return {names.get(id(module), segment.name): segment.name
+            for segment in segments for module in segment.counted}
+
+
+def _rerun_segments(uses: ParameterUses, segment_of: dict[str, str]) -> set[str]:
+    """The segments whose parameters the re-run that just ended read."""
+    return {segment_of.get(name, name) for name in uses.take_rerun_hits()}
 
 
 def _count_calls(counted: dict[str, nn.Module], phase: _Phase) -> dict[str, list[int]]:

@@ -502,6 +502,7 @@ def _check_recompute(case: Case, full: PathRun, rc: PathRun, result: PropertyRes
             for what, ks in idle.items()])
     _check_leaks(full, rc, result)
     _check_freed(full, rc, result, selective=selective)
+    _check_backward_peak(full, rc, result)
 
 
 def _check_freed(full: PathRun, rc: PathRun, result: PropertyResult, *,
@@ -541,6 +542,39 @@ def _check_freed(full: PathRun, rc: PathRun, result: PropertyResult, *,
             f"recompute path, {held_full} on the full-storage path; nothing was freed"
         )
         return
+
+
+def _check_backward_peak(full: PathRun, rc: PathRun, result: PropertyResult) -> None:
+    """The backward's peak stays near what the forward kept plus one segment's activations.
+
+    A correct recompute lets each segment's recomputed activations go as its backward uses
+    them; one that keeps them (a reference cycle between a Function's context and its graph,
+    a list cleared when backward ends) passes every check after backward and still holds
+    full storage's peak in the middle of it. So, at the end of each segment's re-run, the
+    bytes that earlier re-runs of other segments made and still hold must stay under half of
+    that segment's own (``memory.RecomputeCarry``; correct code carries next to nothing), or
+    under a sixteenth of what full storage held: a scrap is no peak. The figures go in the
+    summary either way (offload re-runs nothing, and a selective re-run is held to it too)."""
+    for k, (step_rc, step_full) in enumerate(zip(rc.steps, full.steps), start=1):
+        carried, own, held_full = step_rc.carried_bytes, step_rc.carried_own, step_full.held_bytes
+        if not carried or carried * 2 < own or (held_full and carried * 16 < held_full):
+            continue
+        at = f"step {k}: " if k > 1 else ""
+        result.failures.append(
+            f"{at}when backward's re-run of {', '.join(step_rc.carried_at)} ended, "
+            f"{carried} bytes recomputed earlier for {', '.join(step_rc.carried_from)} were "
+            f"still alive ({own} of its own): the recompute keeps recomputed activations "
+            f"until backward ends (a reference cycle, a list cleared at the end), so "
+            f"activation bytes in backward peaked at {step_rc.backward_peak_bytes} on the "
+            f"recompute path, {step_full.backward_peak_bytes} with full storage")
+        return
+    if result.failures or not rc.steps or not full.steps:
+        return
+    peak_rc, peak_full = rc.steps[0].backward_peak_bytes, full.steps[0].backward_peak_bytes
+    if peak_rc is not None and peak_full is not None:
+        figures = (f"activation bytes in backward peaked at {peak_rc} (full storage "
+                   f"{peak_full})")
+        result.summary = f"{result.summary or _summary(result)}; {figures}"
 
 
 def _reran_part(step: StepRecord) -> int:

@@ -106,6 +106,8 @@ class Faults:
     #                                       not own get no gradient
     outside_params_grad_doubled: bool = False  # those parameters get their gradient from
     #                                            the Function and again in .grad
+    recomputed_held_to_backward_end: bool = False  # what each recompute saves stays alive
+    #                                                until the whole backward ends
 
 
 @dataclass(frozen=True)
@@ -291,6 +293,14 @@ MUTANTS: tuple[Mutant, ...] = (
                                            "and accumulated into .grad by an inner backward "
                                            "(a shared weight's hook fires twice)",
             f"{_PT}/issues/81296"),
+    _mutant("recomputed_held_to_backward_end", "each recompute's saved activations stay "
+                                               "referenced until the whole backward ends (a "
+                                               "reference cycle between a Function's context "
+                                               "and its graph, freed by the collector or by "
+                                               "an outer boundary): nothing is left after "
+                                               "backward, yet backward's peak is full "
+                                               "storage's",
+            "https://github.com/radixark/miles/pull/2862"),
 )
 
 
@@ -593,7 +603,9 @@ class _Recompute(torch.autograd.Function):
         assert state is not None
         cache = _MatmulCache(run.cached, replay=True) if faults.matmul_outputs_cached \
             else contextlib.nullcontext()
-        with _recompute_state(run, state, first), torch.enable_grad(), cache:
+        kept = _held_to_backward_end() if faults.recomputed_held_to_backward_end \
+            else contextlib.nullcontext()
+        with _recompute_state(run, state, first), torch.enable_grad(), cache, kept:
             out = run.call(inputs, recompute=True, swap=swap)
         run.cached.clear()
         if faults.recomputed_kept:
@@ -631,6 +643,24 @@ class _Recompute(torch.autograd.Function):
                     if g is not None:
                         p.grad = g.detach().clone() if p.grad is None else p.grad + g
         return (None, *input_grads, *param_grads)
+
+
+def _held_to_backward_end() -> Any:
+    """Saved-tensor hooks that keep everything the recompute saves in a list the engine
+    clears when the whole backward has run (the recomputed-held-to-backward-end fault)."""
+    held: list[Tensor] = []
+    engine = torch.autograd.Variable._execution_engine
+    engine.queue_callback(held.clear)
+
+    def pack(t: Tensor) -> Tensor:
+        held.append(t)
+        return t
+
+    return torch.autograd.graph.saved_tensors_hooks(pack, _unpacked)
+
+
+def _unpacked(t: Tensor) -> Tensor:
+    return t
 
 
 def _grads_via_backward(

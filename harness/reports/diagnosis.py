@@ -26,7 +26,7 @@ CAUSES = ("raised", "refuses-autograd-grad", "process", "global-state", "rng-not
           "inputs-lost", "no-input-requires-grad", "input-grads-dropped", "grad-mode-ignored",
           "grad-touched",
           "forward-changed", "buffers-updated-twice", "no-recompute", "recompute-count",
-          "no-memory-saved", "leak", "rng-stream-moved", "later-step", "inference",
+          "no-memory-saved", "leak", "recomputed-held", "rng-stream-moved", "later-step", "inference",
           "nondeterministic", "other")
 
 
@@ -115,7 +115,8 @@ def _cause(failure: dict[str, Any], record: dict[str, Any] | None,
             f"output, a detached input)")
     recompute = texts.get("recompute", [])
     said = {key: next((t for t in recompute if key in t), "") for key in (
-        "nothing was recomputed", "nothing was freed", "a leak", "time(s) in")}
+        "nothing was recomputed", "nothing was freed", "a leak", "time(s) in",
+        "recomputed earlier for")}
     if said["nothing was recomputed"] and said["nothing was freed"]:
         return "no-memory-saved", ("no memory was saved: the segments did not run again in "
                                    "backward and the recompute path held as many activation "
@@ -133,6 +134,13 @@ def _cause(failure: dict[str, Any], record: dict[str, Any] | None,
     if said["a leak"]:
         return "leak", ("the recompute keeps memory alive past backward: bytes made in the "
                         "step outlive it, and grow with every step")
+    if said["recomputed earlier for"]:
+        return "recomputed-held", (
+            f"the recompute keeps recomputed activations alive until the whole backward ends "
+            f"({said['recomputed earlier for'].split(': the recompute')[0]}): nothing is left "
+            f"after backward, but backward's peak grows back towards full storage's (a "
+            f"reference cycle between a Function's context and its graph, a list of re-run "
+            f"outputs cleared at the end)")
     if said["time(s) in"]:
         return "recompute-count", f"segments re-run the wrong number of times: {said['time(s) in']}"
     step1 = {"outputs", "gradients"} & set(failing)

@@ -29,7 +29,9 @@ from pathlib import Path
 
 GRADEQUIV = Path(sys.executable).with_name("gradequiv")
 LOADS = (0, 2, 4)  # busy single-thread processes beside the check
-THREADS = ("1", "auto")  # the default, and torch's own
+#: the default, and torch's own (``GRADEQUIV_BENCH_THREADS=1`` for the default alone: torch's
+#: own beside 4 busy processes takes minutes a round)
+THREADS = tuple(os.environ.get("GRADEQUIV_BENCH_THREADS", "1,auto").split(","))
 ROUNDS = int(os.environ.get("GRADEQUIV_BENCH_ROUNDS", "3"))
 #: a busy process ends by itself after this long, should the benchmark be killed
 BUSY_S = 3600
