@@ -262,18 +262,18 @@ class ActivationCounter(_ModeScope):
         return sum(1 for storage in self._alive(ignore) if storage.nbytes())
 
 
-class _RecomputeRecorder(_StorageRecorder):  # type: ignore[no-untyped-call]
-    """During backward: records what the recompute creates, and the peak after every op.
+class _BackwardRecorder(_StorageRecorder):  # type: ignore[no-untyped-call]
+    """During backward: records what a recompute creates into ``seen``, and after every op
+    tells ``after_op`` whether it ran with grad mode on.
 
-    Backward's own gradient arithmetic runs with grad mode off; a recompute
-    re-runs forward code with grad mode on (both torch checkpoints do). So
-    outputs made with grad mode on are recomputed activations, and the rest,
-    gradients, are left out.
+    Backward's own gradient arithmetic runs with grad mode off; a recompute re-runs
+    forward code with grad mode on (both torch checkpoints do). So outputs made with
+    grad mode on are recomputed activations, and the rest, gradients, are left out.
     """
 
-    def __init__(self, peak: BackwardPeak) -> None:
-        super().__init__(peak._recomputed)
-        self.peak = peak
+    def __init__(self, seen: set[int], after_op: Callable[[bool], None]) -> None:
+        super().__init__(seen)
+        self.after_op = after_op
 
     def __torch_dispatch__(
         self,
@@ -282,11 +282,12 @@ class _RecomputeRecorder(_StorageRecorder):  # type: ignore[no-untyped-call]
         args: tuple[Any, ...] = (),
         kwargs: dict[str, Any] | None = None,
     ) -> Any:
-        if torch.is_grad_enabled():
+        grad = torch.is_grad_enabled()
+        if grad:
             out = super().__torch_dispatch__(func, types, args, kwargs)
         else:
             out = func(*args, **(kwargs or {}))
-        self.peak._update()
+        self.after_op(grad)
         return out
 
 
@@ -310,14 +311,14 @@ class BackwardPeak(_ModeScope):
         self.peak_bytes = 0
         weakref.finalize(self, _release, self._recomputed, self._ignore)
 
-    def _update(self) -> None:
+    def _update(self, _grad: bool = False) -> None:
         total = _alive_bytes(self._forward._seen, self._skip)
         total += _alive_bytes(self._recomputed, self._skip)
         self.peak_bytes = max(self.peak_bytes, total)
 
     def _new_mode(self) -> TorchDispatchMode:
         self._update()  # backward starts from what the forward left
-        return _RecomputeRecorder(self)
+        return _BackwardRecorder(self._recomputed, self._update)
 
 
 class _LoggedKeys(set[int]):
@@ -330,29 +331,6 @@ class _LoggedKeys(set[int]):
     def add(self, key: int) -> None:
         super().add(key)
         self.added.append(key)
-
-
-class _RerunRecorder(_StorageRecorder):  # type: ignore[no-untyped-call]
-    """During backward: the storages each re-run creates, and where each re-run ends."""
-
-    def __init__(self, carry: RecomputeCarry) -> None:
-        super().__init__(carry._recomputed)
-        self.carry = carry
-
-    def __torch_dispatch__(
-        self,
-        func: Callable[..., Any],
-        types: Any,
-        args: tuple[Any, ...] = (),
-        kwargs: dict[str, Any] | None = None,
-    ) -> Any:
-        if torch.is_grad_enabled():
-            self.carry._running = True
-            return super().__torch_dispatch__(func, types, args, kwargs)
-        out = func(*args, **(kwargs or {}))
-        if self.carry._running:
-            self.carry._end_rerun()
-        return out
 
 
 class RecomputeCarry(_ModeScope):
@@ -386,7 +364,13 @@ class RecomputeCarry(_ModeScope):
 
     def _new_mode(self) -> TorchDispatchMode:
         self.peak_bytes = _alive_bytes(self._held, set())
-        return _RerunRecorder(self)
+        return _BackwardRecorder(self._recomputed, self._after_op)
+
+    def _after_op(self, grad: bool) -> None:
+        if grad:
+            self._running = True
+        elif self._running:
+            self._end_rerun()
 
     def __exit__(
         self,
