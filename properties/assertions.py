@@ -134,8 +134,9 @@ def locate(impl: Implementation, failure: dict[str, Any]) -> None:
     failure["localisation"] = found.describe()
     failure["first_diverging_op"] = found.divergence.to_dict() if found.divergence else None
     if found.divergence is None and found.matched and failure["property"] in NOT_IN_OPS:
-        failure["localisation"] = (f"every recomputed op of step 1 matched its original; "
-                                   f"{NOT_IN_OPS[failure['property']]}")
+        failure["localisation"] = "; ".join([
+            f"every recomputed op of step 1 matched its original, and "
+            f"{NOT_IN_OPS[failure['property']]}", *found.model])
 
 
 #: What the evidence says where step 1's recomputed ops all match and a property still fails.
