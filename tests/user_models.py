@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import random
+
+import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
@@ -188,4 +191,221 @@ def hooked_running_mean(seed: int) -> UserModel:
     for block in built.model.blocks:
         block.register_buffer("input_mean", torch.zeros(()))
         block.register_forward_pre_hook(_track_input_mean)
+    return built
+
+
+# -- not safe to recompute, whatever the checkpoint: the model's own doing (issue 25) ----------
+# Each segment's forward changes or draws from something its re-run reads again; torch's
+# checkpoint re-runs it faithfully and still computes something else.
+
+class PowerIteration(Residual):
+    """A spectrally normalised block, as ``spectral_norm`` keeps it: every training forward
+    takes one power-iteration step and stores the new ``weight_u`` in a buffer, then divides
+    the weight by the spectral norm it estimates; a re-run starts from the stored vector."""
+
+    weight_u: Tensor
+
+    def __init__(self, width: int) -> None:
+        super().__init__(width, 0.0)
+        self.register_buffer("weight_u", F.normalize(torch.ones(width), dim=0))
+
+    def forward(self, x: Tensor, *, scale: float = 1.0) -> Tensor:
+        weight = self.linear.weight
+        if self.training:
+            with torch.no_grad():
+                v = F.normalize(weight.t() @ self.weight_u, dim=0)
+                self.weight_u.copy_(F.normalize(weight @ v, dim=0))
+        v = F.normalize(weight.t() @ self.weight_u, dim=0).detach()
+        sigma = self.weight_u @ weight @ v
+        return x + scale * F.gelu(F.linear(self.norm(x), weight / sigma, self.linear.bias))
+
+
+def power_iteration(seed: int) -> UserModel:
+    """Unsafe: the re-run divides by another spectral norm (``weight_u`` moved on)."""
+    return _blocks_model(seed, [PowerIteration(16) for _ in range(3)])
+
+
+class EMACodebook(nn.Module):
+    """A vector quantiser whose codebook follows the codes assigned to it by an exponential
+    moving average, updated in the forward (VQ-VAE-2's EMA codebook)."""
+
+    codebook: Tensor
+
+    def __init__(self, width: int, codes: int = 4) -> None:
+        super().__init__()
+        self.proj = nn.Linear(width, width)
+        self.out = nn.Linear(width, width)
+        self.register_buffer("codebook", torch.linspace(-1, 1, codes * width).view(codes, width))
+
+    def forward(self, x: Tensor, *, scale: float = 1.0) -> Tensor:
+        h = self.proj(x)  # (B, W)
+        index = torch.cdist(h.detach(), self.codebook).argmin(-1)  # (B,)
+        quantized = h + (self.codebook[index] - h).detach()  # straight through
+        if self.training:
+            with torch.no_grad():
+                onehot = F.one_hot(index, self.codebook.shape[0]).to(h.dtype)  # (B, K)
+                counts = onehot.sum(0)[:, None]  # (K, 1)
+                means = onehot.t() @ h / counts.clamp(min=1)
+                self.codebook.lerp_(torch.where(counts > 0, means, self.codebook), 0.5)
+        return x + scale * self.out(F.gelu(quantized))
+
+
+def ema_codebook(seed: int) -> UserModel:
+    """Unsafe: the re-run quantises to the codebook the forward's update moved."""
+    return _blocks_model(seed, [EMACodebook(16) for _ in range(3)])
+
+
+class WarmupBlock(Residual):
+    """A residual branch faded in over its first calls, counted by a plain attribute."""
+
+    def __init__(self, width: int) -> None:
+        super().__init__(width, 0.0)
+        self.calls = 0
+
+    def forward(self, x: Tensor, *, scale: float = 1.0) -> Tensor:
+        warmup = min(1.0, (self.calls + 1) / 4)
+        self.calls += 1
+        return super().forward(x, scale=scale * warmup)
+
+
+def warmup_counter(seed: int) -> UserModel:
+    """Unsafe: the re-run counts one call more and fades the branch in further."""
+    return _blocks_model(seed, [WarmupBlock(16) for _ in range(3)])
+
+
+class CoinFlipBlock(Residual):
+    """A block that mirrors its features at random, by a coin of Python's own ``random``."""
+
+    def forward(self, x: Tensor, *, scale: float = 1.0) -> Tensor:
+        if self.training and random.random() < 0.5:
+            x = x.flip(-1)
+        return super().forward(x, scale=scale)
+
+
+def python_coin_flip(seed: int) -> UserModel:
+    """Unsafe: the re-run tosses its coin again (Python's generator, seeded here)."""
+    random.seed(seed)
+    return _blocks_model(seed, [CoinFlipBlock(16, 0.0) for _ in range(3)])
+
+
+class ManifoldMixup(Residual):
+    """Manifold mixup inside the block: each forward mixes the batch with itself reversed,
+    by a weight drawn from NumPy's global generator."""
+
+    def forward(self, x: Tensor, *, scale: float = 1.0) -> Tensor:
+        if self.training:
+            lam = float(np.random.beta(0.4, 0.4))
+            x = lam * x + (1 - lam) * x.flip(0)
+        return super().forward(x, scale=scale)
+
+
+def numpy_mixup(seed: int) -> UserModel:
+    """Unsafe: the re-run draws another mixing weight (NumPy's generator, seeded here)."""
+    np.random.seed(seed)
+    return _blocks_model(seed, [ManifoldMixup(16, 0.0) for _ in range(3)])
+
+
+class OwnDropout(Residual):
+    """Dropout by a mask drawn from a ``torch.Generator`` the block holds."""
+
+    def __init__(self, width: int, seed: int) -> None:
+        super().__init__(width, 0.0)
+        self.generator = torch.Generator().manual_seed(seed)
+
+    def forward(self, x: Tensor, *, scale: float = 1.0) -> Tensor:
+        h = F.gelu(self.linear(self.norm(x)))
+        if self.training:
+            keep = torch.rand(h.shape, generator=self.generator) >= 0.3
+            h = h * keep / 0.7
+        return x + scale * h
+
+
+def own_generator_dropout(seed: int) -> UserModel:
+    """Unsafe: no checkpoint restores a generator of the model's own."""
+    return _blocks_model(seed, [OwnDropout(16, seed + i) for i in range(3)])
+
+
+class SideChannelBlock(Residual):
+    """A block handed a per-call gate through a list its parent fills: it pops it."""
+
+    def __init__(self, width: int) -> None:
+        super().__init__(width, 0.0)
+        self.gates: list[Tensor] = []
+
+    def forward(self, x: Tensor, *, scale: float = 1.0) -> Tensor:
+        gate = self.gates.pop()
+        return super().forward(x * gate, scale=scale)
+
+
+class SideChannel(Blocks):
+    def forward(self, x: Tensor) -> Tensor:
+        for block in self.blocks:
+            block.gates.append(x.detach().mean(0).sigmoid())  # (W,)
+            x = block(x, scale=0.5)
+        return self.head(x)
+
+
+def popped_side_channel(seed: int) -> UserModel:
+    """Unsafe: the re-run pops from the list its forward emptied, and raises."""
+    built = _blocks_model(seed, [SideChannelBlock(16) for _ in range(3)])
+    built.model = SideChannel(list(built.model.blocks))  # the same blocks, their lists filled
+    return built
+
+
+# -- unusual, and safe to recompute ------------------------------------------------------------
+
+class CountedBlock(Residual):
+    """Counts its training calls in a buffer, skipping the re-run a recompute makes inside
+    backward, as the reference model's counters do; the count changes nothing computed."""
+
+    calls: Tensor
+
+    def __init__(self, width: int) -> None:
+        super().__init__(width, 0.1)
+        self.register_buffer("calls", torch.zeros((), dtype=torch.long))
+
+    def forward(self, x: Tensor, *, scale: float = 1.0) -> Tensor:
+        if self.training and torch._C._current_graph_task_id() == -1:  # not a re-run
+            self.calls.add_(1)
+        return super().forward(x, scale=scale)
+
+
+def guarded_counter(seed: int) -> UserModel:
+    return _blocks_model(seed, [CountedBlock(16) for _ in range(3)])
+
+
+class PositionCacheBlock(Residual):
+    """Adds a sinusoidal table, made on the first call for a width and cached: the re-run
+    finds the cache its forward filled, with the same values in it."""
+
+    def __init__(self, width: int) -> None:
+        super().__init__(width, 0.1)
+        self.tables: dict[int, Tensor] = {}
+
+    def forward(self, x: Tensor, *, scale: float = 1.0) -> Tensor:
+        width = x.shape[-1]
+        if width not in self.tables:
+            position = torch.arange(width, dtype=torch.float32)
+            self.tables[width] = torch.sin(position / 10.0)
+        return super().forward(x + self.tables[width].to(x.dtype), scale=scale)
+
+
+def lazy_position_cache(seed: int) -> UserModel:
+    return _blocks_model(seed, [PositionCacheBlock(16) for _ in range(3)])
+
+
+class OutsideCoins(Blocks):
+    """Draws each block's residual scale from Python's ``random`` before calling it: the
+    draw is the parent's, and the checkpoint keeps the scale it was given."""
+
+    def forward(self, x: Tensor) -> Tensor:
+        for block in self.blocks:
+            x = block(x, scale=0.25 + 0.5 * random.random())
+        return self.head(x)
+
+
+def random_outside_segment(seed: int) -> UserModel:
+    random.seed(seed)
+    built = _blocks_model(seed, [Residual(16, 0.1) for _ in range(3)])
+    built.model = OutsideCoins(list(built.model.blocks))  # the same blocks, scaled at random
     return built

@@ -9,14 +9,25 @@ exists on one path only), the recompute property's counts and bytes, and the
 step a difference first shows at. :func:`diagnose` reads them in that order
 and names the cause, with the evidence beside it.
 
+Some failures are the model's: its forward changes state its re-run reads
+again (a buffer, an attribute, an argument), draws from Python's or NumPy's
+generators, or from a ``torch.Generator`` of its own; no checkpoint can
+re-run such a forward faithfully. The localisation names what it saw
+(``model ...`` lines); those causes come first, and with torch's own
+checkpoint as the implementation the sentence says so outright: "your model
+is not safe to recompute here".
+
 Pure Python on report dicts: the supervisor and ``gradequiv report`` use it
 without torch.
 """
 
 from __future__ import annotations
 
+import shlex
 from dataclasses import asdict, dataclass, field
 from typing import Any
+
+from gradequiv.harness.implementations.resolve import BUILTINS
 
 __all__ = ["CAUSES", "Diagnosis", "diagnose"]
 
@@ -24,10 +35,11 @@ __all__ = ["CAUSES", "Diagnosis", "diagnose"]
 CAUSES = ("raised", "refuses-autograd-grad", "process", "global-state", "rng-not-restored",
           "autocast-lost",
           "inputs-lost", "no-input-requires-grad", "input-grads-dropped", "grad-mode-ignored",
-          "grad-touched",
+          "grad-touched", "model-own-generator", "model-python-random", "model-rerun-raised",
+          "model-state-changed",
           "forward-changed", "buffers-updated-twice", "no-recompute", "recompute-count",
-          "no-memory-saved", "leak", "recomputed-held", "rng-stream-moved", "later-step", "inference",
-          "nondeterministic", "other")
+          "no-memory-saved", "leak", "recomputed-held", "rng-stream-moved", "later-step",
+          "inference", "nondeterministic", "other")
 
 
 @dataclass
@@ -67,12 +79,19 @@ def _cause(failure: dict[str, Any], record: dict[str, Any] | None,
                 f"design, as with torch's reentrant checkpoint, declare "
                 f"`gradequiv_unsupported = (\"autograd-grad\",)` on the callable and those "
                 f"cases are skipped")
+        if "backward" in (record.get("error_at") or ""):
+            found = _from_model(failure, failing, raised=last)
+            if found is not None:
+                return found
         return "raised", (f"the implementation raised during {record.get('error_at') or 'the run'}"
                           f": {last}")
     texts = {name: _texts(record, name) for name in failing}
     leaked = [t for t in texts.get("rng", []) if "changed torch's global state" in t]
     if leaked:
         return "global-state", leaked[0].replace("the implementation", "the recompute path", 1)
+    found = _from_model(failure, failing)
+    if found is not None:
+        return found
     op = failure.get("first_diverging_op")
     if op:
         found = _from_divergence(op)
@@ -175,6 +194,71 @@ def _cause(failure: dict[str, Any], record: dict[str, Any] | None,
                                    f"implementation changes what the segment computes")
     first = failure["message"].splitlines()[0] if failure.get("message") else prop
     return "other", f"property {prop} fails: {first}"
+
+
+#: How the localisation begins each line on the model's side (harness/engine/localise.py).
+_MODEL_LINES = ("model generator: ", "model random: ", "model state: ", "model input: ")
+
+#: What to do about each cause on the model's side.
+_FIXES = {
+    "model-own-generator": (
+        "draw from torch's default generator (whose state the checkpoint saves and restores), "
+        "or draw outside the checkpointed module and pass the mask in as an argument"),
+    "model-python-random": (
+        "draw outside the checkpointed module and pass the result in as an argument (the "
+        "checkpoint keeps its arguments), or draw from torch's default generator, whose state "
+        "the checkpoint restores"),
+    "model-state-changed": (
+        "make the update outside the checkpointed module and pass in what the forward reads "
+        "as an argument (the checkpoint keeps its arguments), or leave the module out of the "
+        "checkpoint; skipping the update in the re-run (`torch._C._current_graph_task_id() "
+        "!= -1` inside backward, as the reference model's counters do) is enough only where "
+        "the forward does not read what it updates"),
+    "model-rerun-raised": (
+        "leave what the forward is given and keeps as it found it (read without popping, "
+        "copy before changing it in place), or make the change outside the checkpointed "
+        "module"),
+}
+
+
+def _from_model(failure: dict[str, Any], failing: list[str],
+                raised: str = "") -> tuple[str, str] | None:
+    """A cause on the model's side, from what the localisation saw the model do between a
+    segment's forward and its re-run; None when it saw nothing, or nothing that explains
+    this failure."""
+    lines = [part for part in (failure.get("localisation") or "").split("; ")
+             if part.startswith(_MODEL_LINES)]
+    if not lines:
+        return None
+    found = {prefix: [line.removeprefix(prefix) for line in lines if line.startswith(prefix)]
+             for prefix in _MODEL_LINES}
+    torch_own = _torch_own(failure)
+    if found["model generator: "]:
+        cause, what = "model-own-generator", found["model generator: "][0]
+    elif found["model random: "]:
+        cause, what = "model-python-random", found["model random: "][0]
+    elif raised:
+        cause, what = "model-rerun-raised", (found["model input: "] + found["model state: "])[0]
+    elif (failure.get("first_diverging_op") or {"outputs", "gradients"} & set(failing)
+          or torch_own):  # a state the buffers property compares may be the implementation's
+        cause, what = "model-state-changed", (found["model input: "] + found["model state: "])[0]
+    else:
+        return None
+    because = f"its re-run raised ({raised}), because " if raised else ""
+    headline = ("your model is not safe to recompute here" if torch_own else
+                "the model is not safe to recompute here, whichever checkpoint runs it")
+    return cause, f"{headline}: {because}{what}; {_FIXES[cause]}"
+
+
+def _torch_own(failure: dict[str, Any]) -> bool:
+    """Whether the failure's reproduce line runs torch's own checkpoint (a built-in, or a
+    target in torch itself): an implementation known to re-run faithfully."""
+    try:
+        words = shlex.split(failure.get("reproduce") or "")
+    except ValueError:
+        return False
+    spec = next((b for a, b in zip(words, words[1:]) if a == "--impl"), "")
+    return spec in BUILTINS or spec.startswith("torch.")
 
 
 def _no_input_requires_grad(record: dict[str, Any] | None, missing: list[str]) -> bool:

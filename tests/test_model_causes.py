@@ -1,0 +1,70 @@
+"""A model that is not safe to recompute is said to be, with the state it changed named
+(issue 25): under torch's own checkpoint the fault is the model's, never the checkpoint's."""
+
+from __future__ import annotations
+
+import pytest
+from test_diagnosis import diagnosed
+
+from gradequiv.harness import Case, Implementation, resolve, verify
+from gradequiv.harness.implementations.faults import reference_checkpoint
+from gradequiv.models import ExternalConfig, parse_granularity
+
+#: factory -> (the cause, words the sentence must hold: the state, and how it changed)
+UNSAFE = {
+    "power_iteration": ("model-state-changed",
+                        ["blocks.0.weight_u (a buffer, written by copy_)", "re-run read"]),
+    "ema_codebook": ("model-state-changed", ["blocks.0.codebook (a buffer, written by lerp_)"]),
+    "warmup_counter": ("model-state-changed",
+                       ["blocks.0.calls (an attribute: 0 at the forward, 1 at the re-run)"]),
+    "hooked_running_mean": ("model-state-changed",
+                            ["blocks.0.input_mean (a buffer, written by mul_, add_)"]),
+    "python_coin_flip": ("model-python-random", ["drew from Python's random"]),
+    "numpy_mixup": ("model-python-random", ["drew from NumPy's random"]),
+    "own_generator_dropout": ("model-own-generator",
+                              ["blocks.0 draws rand from a torch.Generator of the model's own "
+                               "(blocks.0.generator)"]),
+    "popped_side_channel": ("model-rerun-raised",
+                            ["IndexError: pop from empty list",
+                             ".gates (a list: length 1 at the forward, 0 at the re-run)"]),
+}
+#: what each cause tells the user to do
+FIXES = {"model-state-changed": "make the update outside the checkpointed module",
+         "model-python-random": "draw outside the checkpointed module",
+         "model-own-generator": "draw from torch's default generator",
+         "model-rerun-raised": "read without popping"}
+#: Unusual, and safe: a counter the re-run skips, a cache the forward fills with what the
+#: re-run would compute, a random draw made by the parent and passed in.
+SAFE = ["guarded_counter", "lazy_position_cache", "random_outside_segment"]
+
+
+def _user_case(factory: str) -> Case:
+    return Case(model=ExternalConfig(f"user_models:{factory}"),
+                granularity=parse_granularity("layer"))
+
+
+@pytest.mark.parametrize("factory", UNSAFE)
+def test_a_model_unsafe_to_recompute_is_named_with_the_state_it_changed(factory: str) -> None:
+    cause, words = UNSAFE[factory]
+    found, sentence, failure = diagnosed("torch", _user_case(factory))
+    assert found == cause, f"{sentence}\n{failure['localisation']}"
+    assert sentence.startswith("your model is not safe to recompute here: ")
+    for word in [*words, FIXES[cause]]:
+        assert word in sentence, f"{word!r} not in {sentence!r}"
+    assert "keyword argument" not in sentence  # not the implementation's inputs
+
+
+@pytest.mark.parametrize("factory", SAFE)
+def test_an_unusual_model_safe_to_recompute_passes(factory: str) -> None:
+    verdict = verify(resolve("torch"), _user_case(factory))
+    assert verdict.passed, (verdict.error or "") + "; ".join(
+        f"{p.name}: {p.summary}" for p in verdict.properties if p.passed is False)
+
+
+def test_under_another_checkpoint_the_model_is_named_without_blaming_torch() -> None:
+    """A hand-written checkpoint re-runs the coin flip as torch's does: the model's fault
+    still, said without claiming the implementation is known to be right."""
+    impl = Implementation("reference", reference_checkpoint)
+    cause, sentence, _ = diagnosed(impl, _user_case("python_coin_flip"))
+    assert cause == "model-python-random"
+    assert sentence.startswith("the model is not safe to recompute here, whichever checkpoint")
