@@ -27,6 +27,12 @@ UNSAFE = {
     "popped_side_channel": ("model-rerun-raised",
                             ["IndexError: pop from empty list",
                              ".gates (a list: length 1 at the forward, 0 at the re-run)"]),
+    "input_halved_in_place": ("model-rerun-raised",
+                              ["modified by an inplace operation",
+                               "input 0 of blocks.0 was changed by blocks.0's forward (mul_)"]),
+    "popped_argument": ("model-rerun-raised",
+                        ["KeyError: 'gate'", "blocks.0's forward changed a list or dict it "
+                         "was given (its arguments held 3 values before it, 2 after)"]),
 }
 #: what each cause tells the user to do
 FIXES = {"model-state-changed": "make the update outside the checkpointed module",

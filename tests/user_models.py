@@ -352,6 +352,55 @@ def popped_side_channel(seed: int) -> UserModel:
     return built
 
 
+class GatedByKeyword(Residual):
+    """A block called with a dict of its inputs that takes its gate out of the dict, as
+    code that pops its options from a ``**kwargs`` dict it was handed does."""
+
+    def forward(self, inputs: dict[str, Tensor], *, scale: float = 1.0) -> Tensor:
+        gate = inputs.pop("gate")
+        return super().forward(inputs["hidden"] * gate, scale=scale)
+
+
+class GatedStack(Blocks):
+    def forward(self, x: Tensor) -> Tensor:
+        for block in self.blocks:
+            x = block({"hidden": x, "gate": x.detach().mean(0).sigmoid()}, scale=0.5)
+        return self.head(x)
+
+
+def popped_argument(seed: int) -> UserModel:
+    """Unsafe: the re-run is handed the dict its forward took the gate out of, and raises."""
+    built = _blocks_model(seed, [GatedByKeyword(16, 0.0) for _ in range(3)])
+    built.model = GatedStack(list(built.model.blocks))  # the same blocks, called with a dict
+    return built
+
+
+class HalvesInPlace(Residual):
+    """A block that halves the residual stream it is given in place, sparing a copy."""
+
+    def forward(self, x: Tensor, *, scale: float = 1.0) -> Tensor:
+        x.mul_(0.5)
+        return super().forward(x, scale=scale)
+
+
+class Embedded(Blocks):
+    """Blocks after an input projection (whose output backward does not need)."""
+
+    def __init__(self, blocks: list[nn.Module]) -> None:
+        super().__init__(blocks)
+        self.embed = nn.Linear(16, 16)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return super().forward(self.embed(x))
+
+
+def input_halved_in_place(seed: int) -> UserModel:
+    """Unsafe: the re-run reads the input its forward halved, and halves it again."""
+    built = _blocks_model(seed, [HalvesInPlace(16, 0.0) for _ in range(3)])
+    built.model = Embedded(list(built.model.blocks))
+    return built
+
+
 # -- unusual, and safe to recompute ------------------------------------------------------------
 
 class CountedBlock(Residual):

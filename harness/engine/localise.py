@@ -262,7 +262,8 @@ class _ModelWatch:
             if now != count:
                 self.inputs.setdefault(segment, (
                     f"model input: {segment}'s forward changed a list or dict it was given "
-                    f"({count} items before it, {now} after), and its re-run was given that"))
+                    f"(its arguments held {count} values before it, {now} after), and its "
+                    f"re-run was given what was left"))
 
         return [module.register_forward_pre_hook(start, prepend=True, with_kwargs=True),
                 module.register_forward_hook(end, with_kwargs=True, always_call=True)]
