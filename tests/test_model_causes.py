@@ -7,7 +7,7 @@ import pytest
 from test_diagnosis import diagnosed
 
 from gradequiv.harness import Case, Implementation, resolve, verify
-from gradequiv.harness.implementations.faults import reference_checkpoint
+from gradequiv.harness.implementations.faults import kwargs_dropped, reference_checkpoint
 from gradequiv.models import ExternalConfig, parse_granularity
 
 #: factory -> (the cause, words the sentence must hold: the state, and how it changed)
@@ -74,3 +74,17 @@ def test_under_another_checkpoint_the_model_is_named_without_blaming_torch() -> 
     cause, sentence, _ = diagnosed(impl, _user_case("python_coin_flip"))
     assert cause == "model-python-random"
     assert sentence.startswith("the model is not safe to recompute here, whichever checkpoint")
+
+
+@pytest.mark.parametrize("impl", [
+    Implementation("kwargs-dropped", kwargs_dropped),
+    resolve("torch", kwargs={"preserve_rng_state": False}),  # torch's, told to be wrong
+], ids=["kwargs-dropped", "torch-rng-not-preserved"])
+def test_a_cache_the_forward_filled_does_not_take_an_implementation_s_blame(
+        impl: Implementation) -> None:
+    """The position table a block caches on its first call is there at its re-run: state
+    changed, harmlessly, so the fault stays the implementation's."""
+    cause, sentence, failure = diagnosed(impl, _user_case("lazy_position_cache"))
+    assert "model state: blocks.0.tables (a dict: length 0 at the forward, 1 at the " \
+           "re-run)" in failure["localisation"]
+    assert not cause.startswith("model-") and "not safe to recompute" not in sentence, sentence

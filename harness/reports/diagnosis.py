@@ -23,6 +23,7 @@ without torch.
 
 from __future__ import annotations
 
+import re
 import shlex
 from dataclasses import asdict, dataclass, field
 from typing import Any
@@ -61,6 +62,7 @@ def diagnose(failure: dict[str, Any], record: dict[str, Any] | None) -> Diagnosi
     if failure.get("localisation"):
         evidence.append(failure["localisation"])
     cause, sentence = _cause(failure, record, failing)
+    cause, sentence = _model_state(failure, record, cause) or (cause, sentence)
     if failure.get("flaky") and cause != "nondeterministic":
         evidence.append("the failure did not come back when the case was run again")
     return Diagnosis(cause, sentence, evidence)
@@ -80,7 +82,7 @@ def _cause(failure: dict[str, Any], record: dict[str, Any] | None,
                 f"`gradequiv_unsupported = (\"autograd-grad\",)` on the callable and those "
                 f"cases are skipped")
         if "backward" in (record.get("error_at") or ""):
-            found = _from_model(failure, failing, raised=last)
+            found = _model_draws(failure, raised=last)
             if found is not None:
                 return found
         return "raised", (f"the implementation raised during {record.get('error_at') or 'the run'}"
@@ -89,7 +91,7 @@ def _cause(failure: dict[str, Any], record: dict[str, Any] | None,
     leaked = [t for t in texts.get("rng", []) if "changed torch's global state" in t]
     if leaked:
         return "global-state", leaked[0].replace("the implementation", "the recompute path", 1)
-    found = _from_model(failure, failing)
+    found = _model_draws(failure)
     if found is not None:
         return found
     op = failure.get("first_diverging_op")
@@ -196,9 +198,6 @@ def _cause(failure: dict[str, Any], record: dict[str, Any] | None,
     return "other", f"property {prop} fails: {first}"
 
 
-#: How the localisation begins each line on the model's side (harness/engine/localise.py).
-_MODEL_LINES = ("model generator: ", "model random: ", "model state: ", "model input: ")
-
 #: What to do about each cause on the model's side.
 _FIXES = {
     "model-own-generator": (
@@ -221,44 +220,81 @@ _FIXES = {
 }
 
 
-def _from_model(failure: dict[str, Any], failing: list[str],
-                raised: str = "") -> tuple[str, str] | None:
-    """A cause on the model's side, from what the localisation saw the model do between a
-    segment's forward and its re-run; None when it saw nothing, or nothing that explains
-    this failure."""
-    lines = [part for part in (failure.get("localisation") or "").split("; ")
-             if part.startswith(_MODEL_LINES)]
+def _model_lines(failure: dict[str, Any], prefix: str) -> list[str]:
+    """The localisation's lines on the model's side that begin with ``prefix``, without it."""
+    return [part.removeprefix(prefix) for part in (failure.get("localisation") or "").split("; ")
+            if part.startswith(prefix)]
+
+
+def _model_draws(failure: dict[str, Any], raised: str = "") -> tuple[str, str] | None:
+    """The model's draws from a generator no checkpoint restores, where the localisation saw
+    one: whatever else differs follows from them."""
+    for cause, prefix in (("model-own-generator", "model generator: "),
+                          ("model-python-random", "model random: ")):
+        lines = _model_lines(failure, prefix)
+        if lines:
+            return cause, _model_sentence(failure, cause, lines[0], raised)
+    return None
+
+
+#: Causes a change the model made to what its re-run reads may explain better: a re-run
+#: computing another thing, a raise, a fault seen only at a later step or in buffers.
+_REFINED = ("raised", "inputs-lost", "later-step", "buffers-updated-twice", "other")
+
+
+def _model_state(failure: dict[str, Any], record: dict[str, Any] | None,
+                 cause: str) -> tuple[str, str] | None:
+    """``cause`` told more exactly where the localisation saw the model change state its
+    re-run reads: a buffer, an attribute, an argument. Under another implementation than
+    torch's own, a cache that grew or a tensor kept is no explanation by itself (a faithful
+    recompute finds the same values in it), so the implementation's cause stands there."""
+    if cause not in _REFINED:
+        return None
+    torch_own = _torch_own(failure)
+    lines = [line for line in _model_lines(failure, "model input: ")
+             + _model_lines(failure, "model state: ") if torch_own or _telling(line)]
+    op = failure.get("first_diverging_op")
+    if cause == "inputs-lost" and op:  # the state of the segment that computes another thing
+        lines = [line for line in lines if f"{op['segment']}'s forward" in line]
     if not lines:
         return None
-    found = {prefix: [line.removeprefix(prefix) for line in lines if line.startswith(prefix)]
-             for prefix in _MODEL_LINES}
-    torch_own = _torch_own(failure)
-    if found["model generator: "]:
-        cause, what = "model-own-generator", found["model generator: "][0]
-    elif found["model random: "]:
-        cause, what = "model-python-random", found["model random: "][0]
-    elif raised:
-        cause, what = "model-rerun-raised", (found["model input: "] + found["model state: "])[0]
-    elif (failure.get("first_diverging_op") or {"outputs", "gradients"} & set(failing)
-          or torch_own):  # a state the buffers property compares may be the implementation's
-        cause, what = "model-state-changed", (found["model input: "] + found["model state: "])[0]
-    else:
-        return None
+    if cause == "raised":
+        if "backward" not in ((record or {}).get("error_at") or ""):
+            return None
+        raised = (record or {}).get("error", "").strip().splitlines()[-1]
+        return "model-rerun-raised", _model_sentence(failure, "model-rerun-raised", lines[0],
+                                                      raised)
+    if cause == "inputs-lost" or torch_own:
+        return "model-state-changed", _model_sentence(failure, "model-state-changed", lines[0])
+    return None
+
+
+def _telling(line: str) -> bool:
+    """Whether a change the localisation saw can make a re-run differ by itself: not a
+    container that grew (a cache filled) nor a tensor attribute (a value kept)."""
+    if "(a tensor attribute)" in line:
+        return False
+    lengths = re.search(r"length (\d+) at the forward, (\d+) at the re-run", line)
+    return lengths is None or int(lengths[2]) < int(lengths[1])
+
+
+def _model_sentence(failure: dict[str, Any], cause: str, what: str, raised: str = "") -> str:
     because = f"its re-run raised ({raised}), because " if raised else ""
-    headline = ("your model is not safe to recompute here" if torch_own else
+    headline = ("your model is not safe to recompute here" if _torch_own(failure) else
                 "the model is not safe to recompute here, whichever checkpoint runs it")
-    return cause, f"{headline}: {because}{what}; {_FIXES[cause]}"
+    return f"{headline}: {because}{what}; {_FIXES[cause]}"
 
 
 def _torch_own(failure: dict[str, Any]) -> bool:
     """Whether the failure's reproduce line runs torch's own checkpoint (a built-in, or a
-    target in torch itself): an implementation known to re-run faithfully."""
+    target in torch itself) as it comes: an implementation known to re-run faithfully.
+    Options given to it (``--impl-kwarg preserve_rng_state=false``) may make it wrong."""
     try:
         words = shlex.split(failure.get("reproduce") or "")
     except ValueError:
         return False
     spec = next((b for a, b in zip(words, words[1:]) if a == "--impl"), "")
-    return spec in BUILTINS or spec.startswith("torch.")
+    return (spec in BUILTINS or spec.startswith("torch.")) and "--impl-kwarg" not in words
 
 
 def _no_input_requires_grad(record: dict[str, Any] | None, missing: list[str]) -> bool:
