@@ -31,6 +31,11 @@ class BatchNormConfig:
     n_classes: int = 4
     dropout: float = 0.0
     momentum: float = 0.1
+    # Dropout and ReLU in place on the normalised activations (torchvision's ResNets run
+    # BatchNorm then ReLU(inplace=True)): a recompute that caches an output and re-applies
+    # an in-place op on it differs exactly there. Dropout comes first then (the same
+    # values): ReLU in place on its own output would overwrite what its backward reads.
+    inplace_ops: bool = False
 
     def __post_init__(self) -> None:
         for name in ("n_layer", "width", "n_classes"):
@@ -53,11 +58,15 @@ class NormBlock(nn.Module):
         super().__init__()
         self.fc = nn.Linear(config.width, config.width)
         self.bn = nn.BatchNorm1d(config.width, momentum=config.momentum)
-        self.act = nn.ReLU()
-        self.dropout = nn.Dropout(config.dropout)
+        self.inplace = config.inplace_ops
+        self.act = nn.ReLU(inplace=self.inplace)
+        self.dropout = nn.Dropout(config.dropout, inplace=self.inplace)
 
     def forward(self, x: Tensor) -> Tensor:
-        branch: Tensor = self.dropout(self.act(self.bn(self.fc(x))))
+        if self.inplace:
+            branch: Tensor = self.act(self.dropout(self.bn(self.fc(x))))
+        else:
+            branch = self.dropout(self.act(self.bn(self.fc(x))))
         return x + branch
 
 

@@ -210,11 +210,13 @@ def batchnorm_cases(draw: st.DrawFn, *, device: str = "cpu",
     """Return a strategy for cases of the BatchNorm model (the buffers property's model).
 
     Accumulation is drawn only with 4 samples or more (2 per micro-batch, as BatchNorm
-    needs). Shrinks towards one layer, width 8, no dropout, two samples, fp32.
+    needs). Shrinks towards one layer, width 8, no dropout, no in-place ops, two samples,
+    fp32.
     """
     n_layer = draw(st.integers(1, 3))
     model = BatchNormConfig(n_layer=n_layer, width=draw(st.sampled_from([8, 16, 32])),
-                            dropout=draw(st.sampled_from([0.0, 0.1, 0.3])))
+                            dropout=draw(st.sampled_from([0.0, 0.1, 0.3])),
+                            inplace_ops=draw(st.booleans()))
     granularity = draw(st.sampled_from(
         ["layer"] + [f"every:{k}" for k in range(2, n_layer + 1)]).map(parse_granularity))
     batch_size = draw(st.integers(2, 8))

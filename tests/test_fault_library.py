@@ -56,6 +56,7 @@ CASES: dict[str, Case] = {
     "outside": Case(model=replace(_SMALL, outside_params=True), batch=_BATCH),
     "batchnorm": Case(model=_BATCHNORM, batch=BatchConfig(4, 1)),
     "batchnorm-inference": Case(model=_BATCHNORM, batch=BatchConfig(4, 1), inference=True),
+    "batchnorm-inplace": Case(model=replace(_BATCHNORM, inplace_ops=True), batch=BatchConfig(4, 1)),
 }
 
 #: mutant -> (the case that catches it, the property that does, a case it passes).

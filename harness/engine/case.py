@@ -119,7 +119,8 @@ class Case:
                      for name in DROPOUT_SITES if getattr(m, name) > 0]
             sites += ["rrelu"] if m.activation == "rrelu" else []
         elif isinstance(m, BatchNormConfig):
-            size = f"batchnorm {m.n_layer}L x {m.width}w"
+            size = f"batchnorm {m.n_layer}L x {m.width}w" + (", in-place ops" if m.inplace_ops
+                                                                else "")
             sites = [f"dropout {m.dropout:g}"] if m.dropout > 0 else []
         else:
             return (f"model {m.factory}, {self.granularity}, {self.dtype}{self._training()}, "

@@ -574,7 +574,11 @@ def _check_backward_peak(full: PathRun, rc: PathRun, result: PropertyResult) -> 
     if peak_rc is not None and peak_full is not None:
         figures = (f"activation bytes in backward peaked at {peak_rc} (full storage "
                    f"{peak_full})")
-        result.summary = f"{result.summary or _summary(result)}; {figures}"
+        base = _summary(result)  # the figures go right after it, before any note
+        summary = result.summary or base
+        rest = summary.removeprefix(base)
+        result.summary = f"{base}; {figures}{rest}" if rest != summary else \
+            f"{summary}; {figures}"
 
 
 def _reran_part(step: StepRecord) -> int:
