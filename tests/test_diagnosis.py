@@ -163,3 +163,21 @@ def test_every_cause_is_in_the_schema() -> None:
 
     schema = report_schema()["$defs"]["diagnosis"]["properties"]["cause"]["enum"]
     assert tuple(schema) == CAUSES
+
+
+def test_model_state_explains_only_the_segment_whose_re_run_diverged() -> None:
+    """A counter of blocks.2 that changed says nothing of why blocks.0 re-ran another
+    computation; one of blocks.0 does."""
+    op = {"segment": "blocks.0", "index": 3, "op": "mul", "module": "blocks.0",
+          "forward": "float32[8, 16]", "recompute": "float32[8, 16]", "rel_error": 0.5,
+          "differing": 1.0, "random": False}
+    state = ("model state: {0}.calls (an attribute: 0 at the forward, 1 at the re-run) was "
+             "changed by {0}'s forward")
+    failure = _failure("gradients", first_diverging_op=op, reproduce="gradequiv check "
+                       "--impl mypkg:checkpoint --case {}")
+    elsewhere = failure | {"localisation": f"first diverging op: mul; {state.format('blocks.2')}"}
+    assert diagnose(elsewhere, _record(gradients="fail")).cause == "inputs-lost"
+    here = failure | {"localisation": f"first diverging op: mul; {state.format('blocks.0')}"}
+    found = diagnose(here, _record(gradients="fail"))
+    assert found.cause == "model-state-changed"
+    assert found.sentence.startswith("the model is not safe to recompute here, whichever")

@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 from test_diagnosis import diagnosed
 
@@ -44,9 +46,9 @@ FIXES = {"model-state-changed": "make the update outside the checkpointed module
 SAFE = ["guarded_counter", "lazy_position_cache", "random_outside_segment"]
 
 
-def _user_case(factory: str) -> Case:
+def _user_case(factory: str, **kwargs: Any) -> Case:
     return Case(model=ExternalConfig(f"user_models:{factory}"),
-                granularity=parse_granularity("layer"))
+                granularity=parse_granularity("layer"), **kwargs)
 
 
 @pytest.mark.parametrize("factory", UNSAFE)
@@ -58,6 +60,16 @@ def test_a_model_unsafe_to_recompute_is_named_with_the_state_it_changed(factory:
     for word in [*words, FIXES[cause]]:
         assert word in sentence, f"{word!r} not in {sentence!r}"
     assert "keyword argument" not in sentence  # not the implementation's inputs
+
+
+def test_a_counter_the_next_micro_batch_reads_is_still_the_model_s() -> None:
+    """Accumulating two micro-batches, the second forward already reads the count the first
+    one's re-run moved on: the forward itself differs, and under torch's checkpoint that is
+    the model's doing too."""
+    cause, sentence, _ = diagnosed("torch", _user_case("warmup_counter",
+                                                       grad_mode="accumulate"))
+    assert cause == "model-state-changed", sentence
+    assert "blocks.0.calls (an attribute: 0 at the forward, 1 at the re-run)" in sentence
 
 
 @pytest.mark.parametrize("factory", SAFE)

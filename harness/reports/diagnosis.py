@@ -238,8 +238,12 @@ def _model_draws(failure: dict[str, Any], raised: str = "") -> tuple[str, str] |
 
 
 #: Causes a change the model made to what its re-run reads may explain better: a re-run
-#: computing another thing, a raise, a fault seen only at a later step or in buffers.
-_REFINED = ("raised", "inputs-lost", "later-step", "buffers-updated-twice", "other")
+#: computing another thing, a raise; and under torch's own checkpoint, which re-runs
+#: faithfully, a fault seen only at a later step, in buffers, in a later forward (the next
+#: micro-batch's, an eval one's) or nowhere in particular.
+_REFINED = ("raised", "inputs-lost")
+_REFINED_UNDER_TORCH = ("later-step", "buffers-updated-twice", "forward-changed", "inference",
+                        "other")
 
 
 def _model_state(failure: dict[str, Any], record: dict[str, Any] | None,
@@ -248,9 +252,9 @@ def _model_state(failure: dict[str, Any], record: dict[str, Any] | None,
     re-run reads: a buffer, an attribute, an argument. Under another implementation than
     torch's own, a cache that grew or a tensor kept is no explanation by itself (a faithful
     recompute finds the same values in it), so the implementation's cause stands there."""
-    if cause not in _REFINED:
-        return None
     torch_own = _torch_own(failure)
+    if cause not in _REFINED and not (torch_own and cause in _REFINED_UNDER_TORCH):
+        return None
     lines = [line for line in _model_lines(failure, "model input: ")
              + _model_lines(failure, "model state: ") if torch_own or _telling(line)]
     op = failure.get("first_diverging_op")
@@ -264,9 +268,7 @@ def _model_state(failure: dict[str, Any], record: dict[str, Any] | None,
         raised = (record or {}).get("error", "").strip().splitlines()[-1]
         return "model-rerun-raised", _model_sentence(failure, "model-rerun-raised", lines[0],
                                                       raised)
-    if cause == "inputs-lost" or torch_own:
-        return "model-state-changed", _model_sentence(failure, "model-state-changed", lines[0])
-    return None
+    return "model-state-changed", _model_sentence(failure, "model-state-changed", lines[0])
 
 
 def _telling(line: str) -> bool:
