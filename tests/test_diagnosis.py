@@ -181,3 +181,19 @@ def test_model_state_explains_only_the_segment_whose_re_run_diverged() -> None:
     found = diagnose(here, _record(gradients="fail"))
     assert found.cause == "model-state-changed"
     assert found.sentence.startswith("the model is not safe to recompute here, whichever")
+
+
+def test_a_change_no_re_run_was_seen_to_read_is_the_model_s_under_torch_only() -> None:
+    """A re-run past the hooks (a patched forward) is not seen: a buffer the forward moved
+    may be one the re-run skips, so only torch's own faithful re-run makes it the model's."""
+    op = {"segment": "blocks.0", "index": 3, "op": "mul", "module": "blocks.0",
+          "forward": "float32[8, 16]", "recompute": "float32[8, 16]", "rel_error": 0.5,
+          "differing": 1.0, "random": False}
+    line = ("model state: blocks.0.stats (a buffer, written by add_) was changed by "
+            "blocks.0's forward, which a re-run starts from (the re-run itself was not seen)")
+    failure = _failure("gradients", first_diverging_op=op,
+                       localisation=f"first diverging op: mul; {line}")
+    mine = failure | {"reproduce": "gradequiv check --impl mypkg:checkpoint --case {}"}
+    assert diagnose(mine, _record(gradients="fail")).cause == "inputs-lost"
+    torch_s = failure | {"reproduce": "gradequiv check --impl torch-patched --case {}"}
+    assert diagnose(torch_s, _record(gradients="fail")).cause == "model-state-changed"

@@ -311,8 +311,11 @@ class _ModelWatch:
     def findings(self) -> tuple[str, ...]:
         """A line for each thing a re-run started from other than its forward did."""
         lines = [*self.generators.values(), *self.inputs.values()]
+        unseen = []  # said last: what a re-run seen started from tells more
         for segment, starts in self.starts.items():  # model order
             reruns, ends = self.reruns.get(segment, []), self.ends.get(segment, [])
+            if not reruns and ends:  # a re-run past the hooks (a patched forward), if any
+                unseen += self._unseen(segment, starts[0], ends[-1])
             if not reruns:
                 continue
             rerun = reruns[0]
@@ -326,7 +329,29 @@ class _ModelWatch:
                                 self.writers.get(key, []), self.read)
                 if line:
                     lines.append(line)
-        return tuple(dict.fromkeys(lines))
+        return tuple(dict.fromkeys(lines + unseen))
+
+    def _unseen(self, segment: str, start: dict[str, tuple[str, Any]],
+                end: dict[str, tuple[str, Any]]) -> list[str]:
+        """Lines for what ``segment``'s forward changed where no re-run of it was seen: a
+        re-run starts from where the forward left things, or later."""
+        lines = []
+        for key, (kind, value) in end.items():
+            if key not in start or _same(start[key], (kind, value)):
+                continue
+            if kind in ("global random", "random"):
+                what = key if kind == "global random" else f"{key} (a generator of the model's)"
+                lines.append(f"model random: {segment}'s forward drew from {what} (its state "
+                             f"moved), and a re-run draws from where the forward left it")
+                continue
+            ops = ", ".join(self.writers.get(key, []))
+            detail = {"buffer": f"a buffer, written by {ops}" if ops else "a buffer",
+                      "tensor": "a tensor attribute",
+                      "attribute": f"an attribute: {start[key][1]!r} before it, {value!r} after"
+                      }.get(kind, f"a {kind}: length {start[key][1]} before it, {value} after")
+            lines.append(f"model state: {key} ({detail}) was changed by {segment}'s forward, "
+                         f"which a re-run starts from (the re-run itself was not seen)")
+        return lines
 
 
 #: The attributes every module has: its machinery, not the model's state.

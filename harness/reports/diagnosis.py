@@ -273,8 +273,9 @@ def _model_state(failure: dict[str, Any], record: dict[str, Any] | None,
 
 def _telling(line: str) -> bool:
     """Whether a change the localisation saw can make a re-run differ by itself: not a
-    container that grew (a cache filled) nor a tensor attribute (a value kept)."""
-    if "(a tensor attribute)" in line:
+    container that grew (a cache filled) nor a tensor attribute (a value kept), nor what a
+    forward changed where no re-run was seen (a running statistic the re-run may skip)."""
+    if "(a tensor attribute)" in line or "the re-run itself was not seen" in line:
         return False
     lengths = re.search(r"length (\d+) at the forward, (\d+) at the re-run", line)
     return lengths is None or int(lengths[2]) < int(lengths[1])
