@@ -54,6 +54,14 @@ COMMON = [
     ("one layer, 128k-element inputs, dropout", "1Lx256x128-layer-dropout-128k", {}),
     ("inputs without grad (frozen embeddings)", "2L-layer-frozen-embeddings", {}),
     ("BatchNorm running statistics", "batchnorm-layer", {}),
+    ("nested inputs, none positional, bf16 autocast, dropout",
+     "2L-layer-bf16-nested-inputs-dropout", {}),
+    ("in-place ops, manual attention, dropout",
+     "2L-layer-inplace-ops-manual-attn-relu-dropout", {}),
+    ("value-changing hooks (LoRA, rescale, steering), dropout", "2L-layer-value-hooks-dropout",
+     {}),
+    ("parameters read from outside the segment, dropout", "2L-layer-outside-params-dropout",
+     {}),
 ]
 _NO_RNG = ("preserve_rng_state=false, dropout", _DROPOUT, {"preserve_rng_state": False})
 #: rows for one implementation's own options
@@ -179,6 +187,22 @@ for _spec in IMPLEMENTATIONS:
         WHY.setdefault((_spec, "BatchNorm running statistics"), _TORCH_BATCHNORM)
 for _spec in ("torch", "torch-reentrant", "torch-sac", "torch-wrapper"):
     WHY[(_spec, _NO_RNG[0])] = _NO_RNG_WHY
+_NESTED = "nested inputs, none positional, bf16 autocast, dropout"
+WHY[("fairscale", _NESTED)] = (
+    "fairscale/internal/containers.py: `split_non_tensors` splits the top-level arguments "
+    "only; a tuple, list or dict of tensors goes with the non-tensor objects, so "
+    "`CheckpointFunction` (fairscale/nn/checkpoint/checkpoint_activations.py) neither makes "
+    "its tensors inputs nor detaches them. The recompute runs on the forward's own tensors, "
+    "its inner backward runs on into the graph before the segment, and backward through "
+    "that graph then raises 'Trying to backward through the graph a second time'.")
+WHY[("deepspeed", _NESTED)] = (
+    "deepspeed/runtime/activation_checkpointing/checkpointing.py: `detach_variable` and "
+    "`CheckpointFunction` take the top-level tensor arguments only; tensors nested in a "
+    "tuple, list or dict are read as they are and are no inputs of the Function. With every "
+    "tensor nested, no input requires grad: backward never reaches the Function, blocks.0 "
+    "is not recomputed, and neither its parameters nor what feeds it through the nested "
+    "tensors (`wpe.weight`) get a gradient, silently.")
+WHY[("deepspeed-nonreentrant", _NESTED)] = _DEEPSPEED_NR_AUTOCAST
 WHY[("hf", "preserve_rng_state=false, Llama")] = (
     "transformers/modeling_layers.py: `GradientCheckpointingLayer.__call__` hands the layer to "
     "torch's checkpoint with the user's `gradient_checkpointing_kwargs`, so "
