@@ -6,9 +6,9 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
-from test_diagnosis import diagnosed
+from test_diagnosis import FAULTS, diagnosed
 
-from gradequiv.harness import Case, Implementation, resolve, verify
+from gradequiv.harness import Case, Implementation, find_case, resolve, verify
 from gradequiv.harness.implementations.faults import kwargs_dropped, reference_checkpoint
 from gradequiv.models import ExternalConfig, parse_granularity
 
@@ -107,3 +107,17 @@ def test_a_cache_the_forward_filled_does_not_take_an_implementation_s_blame(
     assert "model state: blocks.0.tables (a dict: length 0 at the forward, 1 at the " \
            "re-run)" in failure["localisation"]
     assert not cause.startswith("model-") and "not safe to recompute" not in sentence, sentence
+
+
+def test_a_watch_that_fails_leaves_the_search_as_it_was(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A state of a kind the watch cannot copy or compare turns the watch off; it never
+    fails the model's forward, which would read as the implementation raising."""
+    from gradequiv.harness.engine import localise as search
+
+    def unreadable(*args: Any) -> None:
+        raise TypeError("a state of a kind never seen")
+
+    monkeypatch.setattr(search, "_state", unreadable)
+    found = search.localise(resolve(FAULTS + "no_rng_restore"), find_case("1L-layer-dropout"))
+    assert found.divergence is not None and found.divergence.random, found.describe()
+    assert found.model == ()

@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import random
 import sys
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -224,6 +225,20 @@ class _ModelWatch:
         #: per forward run now running: how many leaves its arguments had, and the version
         #: of each tensor among them
         self.arguments: list[tuple[int, list[tuple[Tensor, int]]]] = []
+        self.broken = False  # a step of the watch failed: it says nothing
+
+    def _soft(self, step: Callable[..., Any]) -> Callable[..., Any]:
+        """``step``, made to turn the watch off where it fails (on a kind of state it does
+        not know) instead of failing the model's forward, whose failure it is not."""
+        def run(*args: Any) -> Any:
+            if self.broken:
+                return None
+            try:
+                return step(*args)
+            except Exception:
+                self.broken = True
+                return None
+        return run
 
     def hooks(self, tracker: _Tracker, module: nn.Module, segment: str) -> list[Any]:
         """Hooks that see the segment's state before its own pre-hooks and after its hooks."""
@@ -265,11 +280,22 @@ class _ModelWatch:
                     f"(its arguments held {count} values before it, {now} after), and its "
                     f"re-run was given what was left"))
 
-        return [module.register_forward_pre_hook(start, prepend=True, with_kwargs=True),
-                module.register_forward_hook(end, with_kwargs=True, always_call=True)]
+        return [module.register_forward_pre_hook(self._soft(start), prepend=True,
+                                                 with_kwargs=True),
+                module.register_forward_hook(self._soft(end), with_kwargs=True,
+                                             always_call=True)]
 
     def before(self, func: Any, args: Any, kwargs: dict[str, Any],
                tracker: _Tracker) -> list[tuple[str, Tensor, Tensor | None]]:
+        given: list[tuple[str, Tensor, Tensor | None]] | None = self._soft(self._before)(
+            func, args, kwargs, tracker)
+        return given or []
+
+    def after(self, func: Any, given: list[tuple[str, Tensor, Tensor | None]]) -> None:
+        self._soft(self._after)(func, given)
+
+    def _before(self, func: Any, args: Any, kwargs: dict[str, Any],
+                tracker: _Tracker) -> list[tuple[str, Tensor, Tensor | None]]:
         """Before an op: note what a re-run reads and a user's generator drawn from; return
         each watched tensor the op is given, with a copy, to see in :meth:`after` whether
         it wrote it (batch norm's schema does not say that it updates its statistics)."""
@@ -288,7 +314,7 @@ class _ModelWatch:
             return [(self.watched[_ptr(t)], t, None if _ptr(t) in declared else
                      t.detach().clone()) for t in leaves]
 
-    def after(self, func: Any, given: list[tuple[str, Tensor, Tensor | None]]) -> None:
+    def _after(self, func: Any, given: list[tuple[str, Tensor, Tensor | None]]) -> None:
         """After an op: each watched tensor it wrote (its schema says so, or its values
         changed) has the op among its writers."""
         name = str(func.overloadpacket.__name__)
@@ -310,6 +336,10 @@ class _ModelWatch:
 
     def findings(self) -> tuple[str, ...]:
         """A line for each thing a re-run started from other than its forward did."""
+        found: tuple[str, ...] | None = self._soft(self._findings)()
+        return found or ()
+
+    def _findings(self) -> tuple[str, ...]:
         lines = [*self.generators.values(), *self.inputs.values()]
         unseen = []  # said last: what a re-run seen started from tells more
         for segment, starts in self.starts.items():  # model order
@@ -390,8 +420,8 @@ def _kept(value: Any) -> tuple[str, Any] | None:
         return "tensor", (0, value.detach().clone())
     if isinstance(value, torch.Generator):
         return "generator", value  # its draws are seen by op (an identity, not a state)
-    if isinstance(value, random.Random):
-        return "random", value.getstate()
+    if isinstance(value, random.Random) and not isinstance(value, random.SystemRandom):
+        return "random", value.getstate()  # the system's has no state to take
     if type(value).__module__.startswith("numpy.random"):
         state = getattr(getattr(value, "bit_generator", None), "state", None)
         if state is None and hasattr(value, "get_state"):
