@@ -86,6 +86,7 @@ def test_buffer_updates_are_no_diverging_op() -> None:
     assert cause == "model-state-changed", sentence
     assert sentence.startswith("your model is not safe to recompute here: ")
     assert ".running_mean (a buffer, written by " in sentence
+    assert failure["localisation"].endswith("; and 2 more such changes")  # six in all
 
 
 def _record(**statuses: str) -> dict[str, Any]:

@@ -359,7 +359,10 @@ class _ModelWatch:
                                 self.writers.get(key, []), self.read)
                 if line:
                     lines.append(line)
-        return tuple(dict.fromkeys(lines + unseen))
+        said = list(dict.fromkeys(lines + unseen))
+        if len(said) > _MODEL_LINES:  # the same change in every layer says no more
+            said[_MODEL_LINES:] = [f"and {len(said) - _MODEL_LINES} more such changes"]
+        return tuple(said)
 
     def _unseen(self, segment: str, start: dict[str, tuple[str, Any]],
                 end: dict[str, tuple[str, Any]]) -> list[str]:
@@ -383,6 +386,9 @@ class _ModelWatch:
                          f"which a re-run starts from (the re-run itself was not seen)")
         return lines
 
+
+#: The most lines on the model's side a localisation says.
+_MODEL_LINES = 4
 
 #: The attributes every module has: its machinery, not the model's state.
 _MODULE_KEYS = frozenset(vars(nn.Module()))
