@@ -22,6 +22,10 @@ UNSAFE = {
                             ["blocks.0.input_mean (a buffer, written by mul_, add_)"]),
     "python_coin_flip": ("model-python-random", ["drew from Python's random"]),
     "numpy_mixup": ("model-python-random", ["drew from NumPy's random"]),
+    "numpy_generator_noise": ("model-python-random",
+                              ["blocks.0.rng (a generator of the model's) moved"]),
+    "python_generator_noise": ("model-python-random",
+                               ["blocks.0.rng (a generator of the model's) moved"]),
     "own_generator_dropout": ("model-own-generator",
                               ["blocks.0 draws rand from a torch.Generator of the model's own "
                                "(blocks.0.generator)"]),

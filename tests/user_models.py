@@ -305,6 +305,35 @@ def numpy_mixup(seed: int) -> UserModel:
     return _blocks_model(seed, [ManifoldMixup(16, 0.0) for _ in range(3)])
 
 
+class NoisyBlock(Residual):
+    """Gaussian noise added to the features in training, drawn from a NumPy generator the
+    block holds (``np.random.default_rng``), or a Python ``random.Random`` one."""
+
+    def __init__(self, width: int, rng: np.random.Generator | random.Random) -> None:
+        super().__init__(width, 0.0)
+        self.rng = rng
+
+    def forward(self, x: Tensor, *, scale: float = 1.0) -> Tensor:
+        if self.training:
+            if isinstance(self.rng, random.Random):
+                noise = torch.tensor([self.rng.gauss(0.0, 0.1) for _ in range(x.shape[-1])])
+            else:
+                noise = torch.from_numpy(self.rng.normal(0.0, 0.1, x.shape[-1])).float()
+            x = x + noise
+        return super().forward(x, scale=scale)
+
+
+def numpy_generator_noise(seed: int) -> UserModel:
+    """Unsafe: the re-run draws other noise from the block's NumPy generator."""
+    return _blocks_model(seed, [NoisyBlock(16, np.random.default_rng(seed + i))
+                                for i in range(3)])
+
+
+def python_generator_noise(seed: int) -> UserModel:
+    """Unsafe: the re-run draws other noise from the block's ``random.Random``."""
+    return _blocks_model(seed, [NoisyBlock(16, random.Random(seed + i)) for i in range(3)])
+
+
 class OwnDropout(Residual):
     """Dropout by a mask drawn from a ``torch.Generator`` the block holds."""
 

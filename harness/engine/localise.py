@@ -372,10 +372,14 @@ class _ModelWatch:
         for key, (kind, value) in end.items():
             if key not in start or _same(start[key], (kind, value)):
                 continue
-            if kind in ("global random", "random"):
-                what = key if kind == "global random" else f"{key} (a generator of the model's)"
-                lines.append(f"model random: {segment}'s forward drew from {what} (its state "
+            if kind == "global random":
+                lines.append(f"model random: {segment}'s forward drew from {key} (its state "
                              f"moved), and a re-run draws from where the forward left it")
+                continue
+            if kind == "random":
+                lines.append(f"model random: {key} (a generator of the model's) moved during "
+                             f"{segment}'s forward, and a re-run draws from where the forward "
+                             f"left it")
                 continue
             ops = ", ".join(self.writers.get(key, []))
             detail = {"buffer": f"a buffer, written by {ops}" if ops else "a buffer",
