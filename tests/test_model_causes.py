@@ -10,6 +10,7 @@ from test_diagnosis import FAULTS, diagnosed
 
 from gradequiv.harness import Case, Implementation, find_case, resolve, verify
 from gradequiv.harness.implementations.faults import kwargs_dropped, reference_checkpoint
+from gradequiv.harness.implementations.resolve import BUILTINS
 from gradequiv.models import ExternalConfig, parse_granularity
 
 #: factory -> (the cause, words the sentence must hold: the state, and how it changed)
@@ -84,8 +85,9 @@ def test_a_counter_the_next_micro_batch_reads_is_still_the_model_s() -> None:
 
 
 @pytest.mark.parametrize("factory", SAFE)
-def test_an_unusual_model_safe_to_recompute_passes(factory: str) -> None:
-    verdict = verify(resolve("torch"), _user_case(factory))
+@pytest.mark.parametrize("spec", [spec for spec in BUILTINS if spec.startswith("torch")])
+def test_an_unusual_model_safe_to_recompute_passes(spec: str, factory: str) -> None:
+    verdict = verify(resolve(spec), _user_case(factory))
     assert verdict.passed, (verdict.error or "") + "; ".join(
         f"{p.name}: {p.summary}" for p in verdict.properties if p.passed is False)
 
