@@ -39,7 +39,9 @@ def diagnosed(spec: str | Implementation, name: str | Case) -> tuple[str, str, d
     (FAULTS + "no_rng_restore", "1L-layer-dropout", "rng-not-restored",
      "does not restore the RNG state"),
     (FAULTS + "caller_stream_moved", "2L-layer-manual-attn", "rng-stream-moved",
-     "RNG stream after the step differs"),
+     "generator was left rewound"),
+    (FAULTS + "caller_stream_moved", "2L-layer-accumulate-dropout", "rng-stream-moved",
+     "micro-batch 2's random ops"),
     (FAULTS + "autocast_lost", "2L-layer-bf16-dropout", "autocast-lost", "float32"),
     (FAULTS + "kwargs_dropped", "1L-layer-dropout", "inputs-lost", "keyword argument"),
     # running statistics change between a forward and its re-run, which skips them: no

@@ -46,6 +46,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+from torch import Tensor
 
 from gradequiv.harness.engine import global_state
 from gradequiv.harness.engine.case import Case
@@ -358,6 +359,7 @@ def _check_all(
     leaked = _global_state_leak(full, rc)
     if leaked:
         results["rng"].failures.append(leaked)
+    results["rng"].failures += _rng_stories(full, rc, results["rng"].checks)
     _check_recompute(case, full, rc, results["recompute"], compiled, selective=selective)
     for result in results.values():
         if result.passed is not None:
@@ -367,6 +369,63 @@ def _check_all(
             elif not result.summary:
                 result.summary = _summary(result)
     return [results[name] for name in PROPERTIES]
+
+
+#: How many single 32-bit draws ``_draws_between`` tries before it gives up.
+_MAX_DRAWS = 1 << 16
+
+
+def _rng_stories(full: PathRun, rc: PathRun, checks: list[TensorCheck]) -> list[str]:
+    """What the recompute path did to the caller's CPU stream, at the first step whose
+    state differs: reseeded it, left it rewound (behind full storage's, to where the step
+    began if so), or advanced it by extra draws. A state that is none of these (other
+    draws) gets no story; the failing check says it differs."""
+    for check in checks:
+        if check.passed or check.property != "rng" or not check.name.endswith(": cpu"):
+            continue
+        step = int(check.name.removeprefix("RNG state after step ").split(":")[0])
+        theirs, ours = full.steps[step - 1].rng["cpu"], rc.steps[step - 1].rng["cpu"]
+        starts = [full.starts[step - 2].rng["cpu"]] if step > 1 and full.starts else []
+        return [f"after step {step} the caller's cpu generator was left {story}"
+                for story in [_rng_story(theirs, ours, starts[0] if starts else None)] if story]
+    return []
+
+
+def _rng_story(theirs: Tensor, ours: Tensor, start: Tensor | None) -> str:
+    """How the state ``ours`` stands to full storage's ``theirs`` (CPU generator states)."""
+    seeds = []
+    for state in (theirs, ours):
+        generator = torch.Generator()
+        try:
+            generator.set_state(state)
+        except RuntimeError:  # not a CPU generator's state
+            return ""
+        seeds.append(generator.initial_seed())
+    if seeds[0] != seeds[1]:
+        return (f"reseeded (seeded with {seeds[1]}, where full storage's stream runs from "
+                f"seed {seeds[0]})")
+    behind = _draws_between(ours, theirs)
+    if behind is not None:
+        where = " (where the step began)" if start is not None and torch.equal(ours, start) \
+            else ""
+        return f"rewound, {behind} draws behind full storage's{where}"
+    ahead = _draws_between(theirs, ours)
+    if ahead is not None:
+        return f"advanced, {ahead} draws past full storage's (taken by the recompute)"
+    return ""
+
+
+def _draws_between(start: Tensor, end: Tensor) -> int | None:
+    """How many single 32-bit draws take a CPU generator from ``start`` to ``end`` (a
+    64-bit draw is two); None if not within ``_MAX_DRAWS``."""
+    generator = torch.Generator()
+    generator.set_state(start)
+    one = torch.empty(1, dtype=torch.int32)
+    for n in range(1, _MAX_DRAWS + 1):
+        one.random_(generator=generator)
+        if torch.equal(generator.get_state(), end):
+            return n
+    return None
 
 
 def _item(prop: str, name: str, values: list[Any]) -> _Item:

@@ -170,12 +170,12 @@ def _cause(failure: dict[str, Any], record: dict[str, Any] | None,
             f"outputs and gradients match, but module state does not ("
             f"{_tensor(texts['buffers'])}): the re-run updates buffers (running statistics, "
             f"counters) a second time")
-    if "rng" in failing and not step1:
-        generator = _generator(texts["rng"])
-        return "rng-stream-moved", (
-            f"outputs and gradients match, but the RNG stream after the step differs from "
-            f"full storage's ({generator}): the recompute draws random numbers and leaves the "
-            f"generator moved, so every later random op draws other numbers")
+    story = next((t for t in texts.get("rng", []) if "caller's cpu generator was left" in t),
+                 "")
+    accumulated = ((record or {}).get("case") or {}).get("grad_mode") == "accumulate"
+    if "rng" in failing and (not step1 or (story and accumulated and "outputs" in failing
+                                           and not failure.get("first_diverging_op"))):
+        return "rng-stream-moved", _stream_moved(story, texts, step1=bool(step1))
     if "trajectory" in failing and not step1 and "buffers" not in failing:
         return "later-step", (
             f"step 1 matches full storage, but a later step does not "
@@ -298,6 +298,36 @@ def _torch_own(failure: dict[str, Any]) -> bool:
         return False
     spec = next((b for a, b in zip(words, words[1:]) if a == "--impl"), "")
     return (spec in BUILTINS or spec.startswith("torch.")) and "--impl-kwarg" not in words
+
+
+#: What a recompute does to the caller's stream for each story, and the fix.
+_STREAM_FIX = {
+    "rewound": "restores the forward's RNG state for the re-run and never gives the caller's "
+               "back (restore it inside torch.random.fork_rng)",
+    "advanced": "draws from the caller's stream in the re-run (restore the forward's state "
+                "inside torch.random.fork_rng)",
+    "reseeded": "seeds the global generator (manual_seed) where it should restore the "
+                "forward's state inside torch.random.fork_rng",
+}
+
+
+def _stream_moved(story: str, texts: dict[str, list[str]], *, step1: bool) -> str:
+    """The rng-stream-moved sentence: what the recompute left the caller's stream at (the
+    story verify tells: rewound, advanced or reseeded) and where that first shows."""
+    if not story:
+        return (f"outputs and gradients match, but the RNG stream after the step differs "
+                f"from full storage's ({_generator(texts['rng'])}): the recompute draws "
+                f"random numbers and leaves the generator moved, so every later random op "
+                f"draws other numbers")
+    kind = story.split(" was left ", 1)[1].split(" ", 1)[0].rstrip(",")
+    does = _STREAM_FIX.get(kind, "leaves the caller's stream moved")
+    if step1:  # accumulation: the next micro-batch's forward draws from the moved stream
+        return (f"{story}: the recompute {does}; with gradient accumulation micro-batch 2's "
+                f"random ops then draw other numbers than with full storage, so its forward "
+                f"differs ({_tensor(texts.get('outputs', []))}): the segment computes the same, "
+                f"the stream it draws from does not")
+    return (f"outputs and gradients match, but {story}: the recompute {does}, so every later "
+            f"random op draws other numbers")
 
 
 def _no_input_requires_grad(record: dict[str, Any] | None, missing: list[str]) -> bool:
