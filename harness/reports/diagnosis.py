@@ -45,9 +45,10 @@ CAUSES = ("raised", "refuses-autograd-grad", "process", "global-state", "rng-not
 
 @dataclass
 class Diagnosis:
-    cause: str  # one of CAUSES
-    sentence: str
+    cause: str  # one of CAUSES: the headline's
+    sentence: str  # the headline's cause, then each further fault's ("and a second fault: ")
     evidence: list[str] = field(default_factory=list)
+    also: list[str] = field(default_factory=list)  # further faults the evidence shows (CAUSES)
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -63,9 +64,63 @@ def diagnose(failure: dict[str, Any], record: dict[str, Any] | None) -> Diagnosi
         evidence.append(failure["localisation"])
     cause, sentence = _cause(failure, record, failing)
     cause, sentence = _model_state(failure, record, cause) or (cause, sentence)
+    also = _further_faults(cause, failure, record, failing)
+    for _, other in also:
+        sentence += f"; and a second fault: {other}"
     if failure.get("flaky") and cause != "nondeterministic":
         evidence.append("the failure did not come back when the case was run again")
-    return Diagnosis(cause, sentence, evidence)
+    return Diagnosis(cause, sentence, evidence, [c for c, _ in also])
+
+
+#: Causes read from the recompute property's counts and bytes: evidence no value fault makes.
+_MEMORY_CAUSES = ("no-memory-saved", "no-recompute", "leak", "recomputed-held",
+                  "recompute-count")
+#: Causes that already account for the caller's stream.
+_STREAM_CAUSES = ("rng-not-restored", "rng-stream-moved", "global-state", "model-own-generator",
+                  "model-python-random", "nondeterministic")
+
+
+def _further_faults(cause: str, failure: dict[str, Any], record: dict[str, Any] | None,
+                    failing: list[str]) -> list[tuple[str, str]]:
+    """Faults besides the headline's that evidence of their own shows: each property a
+    headline cause cannot explain, with its own cause. Lost autocast changes no RNG stream,
+    no buffer and no byte count; a stream left moved (the rng property's story), buffers
+    that differ while the re-run's values match, a memory finding, a gradient missing on
+    one path are each a fault of their own."""
+    if record is None or record.get("error") or cause in ("process", "raised", "other"):
+        return []
+    texts = {name: _texts(record, name) for name in failing}
+    found: list[tuple[str, str]] = []
+    story = next((t for t in texts.get("rng", []) if "caller's cpu generator was left" in t),
+                 "")
+    if story and cause not in _STREAM_CAUSES:
+        if " left advanced" in story:  # the re-run drew from the caller's stream
+            found.append(("rng-not-restored", (
+                f"the recompute does not restore the RNG state: its re-run drew from the "
+                f"caller's stream ({story[story.index('the caller'):]}), so its random ops "
+                f"drew other numbers than the forward's")))
+        else:
+            found.append(("rng-stream-moved", _stream_moved(story, texts, step1=False)
+                          .removeprefix("outputs and gradients match, but ")))
+    if "buffers" in failing and cause not in ("buffers-updated-twice", "model-state-changed"):
+        found.append(("buffers-updated-twice", (
+            f"module state differs from full storage's ({_tensor(texts['buffers'])}): the "
+            f"re-run updates buffers (running statistics, counters) a second time")))
+    if "recompute" in failing and cause not in _MEMORY_CAUSES:
+        other, sentence = _cause({**failure, "property": "recompute",
+                                  "first_diverging_op": None}, record, ["recompute"])
+        if other in _MEMORY_CAUSES:
+            found.append((other, sentence))
+    missing = next((t for t in texts.get("gradients", []) if "absent on the recompute path" in t
+                    or "exists only on the full-storage" in t), "")
+    if missing and cause not in ("input-grads-dropped", "no-input-requires-grad",
+                                 "no-recompute", "no-memory-saved") \
+            and not any(c == "no-recompute" for c, _ in found):
+        found.append(("input-grads-dropped", (
+            f"the recompute path has no gradient where full storage has one "
+            f"({missing.split(':')[0]}): the checkpoint does not pass gradients back to every "
+            f"input that requires grad")))
+    return found
 
 
 def _cause(failure: dict[str, Any], record: dict[str, Any] | None,
