@@ -40,7 +40,8 @@ CAUSES = ("raised", "refuses-autograd-grad", "process", "global-state", "rng-not
           "model-state-changed",
           "forward-changed", "buffers-updated-twice", "no-recompute", "recompute-count",
           "no-memory-saved", "leak", "recomputed-held", "rng-stream-moved", "later-step",
-          "inference", "nondeterministic", "other")
+          "inference", "accumulation-lost", "second-order-lost", "param-grads-wrong",
+          "nondeterministic", "other")
 
 
 @dataclass
@@ -164,6 +165,10 @@ def _cause(failure: dict[str, Any], record: dict[str, Any] | None,
             f"so the frozen weights and what feeds them get gradients")
     missing = [t for t in texts.get("gradients", []) if "absent on the recompute path" in t
                or "exists only on the full-storage" in t]
+    kind = (record or {}).get("case") or {}
+    if missing and "outputs" in failing and kind.get("grad_mode") != "accumulate":
+        # the forward already differs: a gradient it no longer has follows from that
+        return "forward-changed", _forward_changed(texts)
     if missing and _no_input_requires_grad(record, missing):
         return "no-input-requires-grad", (
             f"no input of the segment requires grad, so this reentrant checkpoint gives its "
@@ -189,6 +194,9 @@ def _cause(failure: dict[str, Any], record: dict[str, Any] | None,
             f"{inputs[0].removeprefix('grad of ')} does not: the checkpoint passes wrong or no "
             f"gradients back to some of its inputs (a keyword argument, a part of a tuple "
             f"output, a detached input)")
+    found = None if failure.get("flaky") else _gradients_only(kind, failing, texts, op)
+    if found is not None:
+        return found
     recompute = texts.get("recompute", [])
     said = {key: next((t for t in recompute if key in t), "") for key in (
         "nothing was recomputed", "nothing was freed", "a leak", "time(s) in",
@@ -246,9 +254,7 @@ def _cause(failure: dict[str, Any], record: dict[str, Any] | None,
         return "nondeterministic", ("the failure did not come back when the case ran again: "
                                     "the implementation is nondeterministic")
     if "outputs" in failing:
-        return "forward-changed", (f"the forward itself differs from full storage's "
-                                   f"({_tensor(texts['outputs'])}), before any recompute: the "
-                                   f"implementation changes what the segment computes")
+        return "forward-changed", _forward_changed(texts)
     first = failure["message"].splitlines()[0] if failure.get("message") else prop
     return "other", f"property {prop} fails: {first}"
 
@@ -295,9 +301,10 @@ def _model_draws(failure: dict[str, Any], raised: str = "") -> tuple[str, str] |
 #: Causes a change the model made to what its re-run reads may explain better: a re-run
 #: computing another thing, a raise; and under torch's own checkpoint, which re-runs
 #: faithfully, a fault seen only at a later step, in buffers, in a later forward (the next
-#: micro-batch's, an eval one's) or nowhere in particular.
+#: micro-batch's, an eval one's), in gradients alone or nowhere in particular.
 _REFINED = ("raised", "inputs-lost")
 _REFINED_UNDER_TORCH = ("later-step", "buffers-updated-twice", "forward-changed", "inference",
+                        "param-grads-wrong", "accumulation-lost", "second-order-lost",
                         "other")
 
 
@@ -353,6 +360,47 @@ def _torch_own(failure: dict[str, Any]) -> bool:
         return False
     spec = next((b for a, b in zip(words, words[1:]) if a == "--impl"), "")
     return (spec in BUILTINS or spec.startswith("torch.")) and "--impl-kwarg" not in words
+
+
+def _forward_changed(texts: dict[str, list[str]]) -> str:
+    return (f"the forward itself differs from full storage's ({_tensor(texts['outputs'])}), "
+            f"before any recompute: the implementation changes what the segment computes")
+
+
+def _gradients_only(kind: dict[str, Any], failing: list[str], texts: dict[str, list[str]],
+                    op: dict[str, Any] | None) -> tuple[str, str] | None:
+    """Gradients wrong while the forward and every recomputed op match: told by how the
+    case asks for gradients (accumulated, a gradient penalty), by forwards without backward
+    before it, or by which gradients differ (parameters only)."""
+    if "gradients" not in failing or "outputs" in failing or op:
+        return None
+    worst = _tensor(texts["gradients"])
+    if kind.get("grad_mode") == "accumulate":
+        return "accumulation-lost", (
+            f"the recomputed ops match the forward's, but with gradients accumulated over "
+            f"micro-batches they differ ({worst}): the checkpoint overwrites or drops what "
+            f"earlier micro-batches left in .grad (reads parameter gradients back from a "
+            f".grad it cleared), where torch accumulates")
+    if kind.get("grad_mode") == "create-graph":
+        return "second-order-lost", (
+            f"the recomputed ops match the forward's, but under a gradient penalty the "
+            f"gradients differ ({worst}): the checkpoint's backward takes the segment's "
+            f"gradients without create_graph (on detached inputs), so the penalty's "
+            f"second-order terms through the segment are lost")
+    if kind.get("inference"):
+        return "inference", (
+            f"no recomputed op was found to differ from its forward, but this case runs "
+            f"eval and no_grad forwards before training and its gradients differ ({worst}): "
+            f"the implementation keeps state from forwards that had no backward (a queue of "
+            f"RNG states every forward pushes and only backward pops)")
+    grads = [t for t in texts["gradients"] if t.startswith("grad of ")]
+    if grads and not any(t.startswith("grad of input ") for t in grads):
+        return "param-grads-wrong", (
+            f"the recomputed ops match the forward's and every gradient reaching a segment's "
+            f"inputs does too, but parameter gradients differ ({worst}): the checkpoint "
+            f"returns wrong gradients for parameters it reads (one counted twice, returned "
+            f"and also accumulated into .grad, or one it does not own left out)")
+    return None
 
 
 #: What a recompute does to the caller's stream for each story, and the fix.

@@ -1,0 +1,86 @@
+"""The cause benchmark: every mutant of the fault library on the case that exposes it (the
+cheapest kind from tests/test_fault_library.py, a named case otherwise), with the headline
+cause its minimal failure must get. docs/causes.md gives the same table with the sentence.
+
+A handful are named by a cause that is near but not exact (``IMPRECISE``): they are held to
+it so that a change is seen, and listed as open in docs/causes.md.
+"""
+
+from __future__ import annotations
+
+import pytest
+from test_diagnosis import diagnosed
+from test_fault_library import CASES
+
+from gradequiv.harness import find_case
+from gradequiv.harness.implementations.adapters import Implementation
+from gradequiv.harness.implementations.faults import MUTANTS
+
+#: mutant -> (case kind or named case, headline cause)
+EXPECTED = {
+    "no-rng-restore": ("1L-layer-dropout", "rng-not-restored"),
+    "rng-lost-on-first-call": ("1L-layer-dropout", "rng-not-restored"),
+    "rng-captured-late": ("1L-layer-dropout", "rng-not-restored"),
+    "reseeded": ("1L-layer-dropout", "rng-not-restored"),
+    "caller-stream-moved": ("2L-layer-manual-attn", "rng-stream-moved"),
+    "caller-stream-moved-once": ("2L-layer-manual-attn", "rng-stream-moved"),
+    "dropout-off": ("1L-layer-dropout", "inputs-lost"),
+    "autocast-lost": ("2L-layer-bf16-dropout", "autocast-lost"),
+    "kwargs-dropped": ("1L-layer-dropout", "inputs-lost"),
+    "input-grads-dropped": ("1L-layer-dropout", "input-grads-dropped"),
+    "inputs-detached": ("1L-layer-dropout", "input-grads-dropped"),
+    "stale-recompute": ("1L-layer-dropout", "later-step"),
+    "no-op": ("1L-layer-dropout", "no-memory-saved"),
+    "gradient-skew": ("1L-layer-dropout", "input-grads-dropped"),
+    "buffers-updated-twice": ("batchnorm-layer", "buffers-updated-twice"),
+    "crash-in-backward": ("1L-layer-dropout", "raised"),
+    "autocast-default-dtype": ("fp16-autocast", "autocast-lost"),
+    "autocast-forced-on": ("plain", "autocast-lost"),
+    "grad-via-backward": ("autograd-grad", "grad-touched"),
+    "accumulated-grad-overwritten": ("accumulate", "accumulation-lost"),
+    "kwarg-tensors-detached": ("x0-keyword", "input-grads-dropped"),
+    "tuple-tail-no-grad": ("aux-loss", "input-grads-dropped"),
+    "state-per-module-slot": ("repeats-dropout", "rng-not-restored"),
+    "state-queue-without-backward": ("inference-dropout", "inference"),
+    "recomputed-kept": ("plain", "leak"),
+    "saved-inputs-kept": ("plain", "leak"),
+    "large-boundary-compressed": ("large", "inputs-lost"),
+    "group-layers-unchained": ("group", "forward-changed"),
+    "bn-stats-in-recompute-only": ("batchnorm-inference", "buffers-updated-twice"),
+    "grads-without-graph": ("2L-layer-create-graph-manual-attn", "second-order-lost"),
+    "stash-kept-after-warmup": ("1L-layer-dropout", "leak"),
+    "grad-mode-forced-on": ("2L-layer-frozen-first-layer", "grad-mode-ignored"),
+    "nested-tensors-no-grad": ("nested", "input-grads-dropped"),
+    "rng-devices-from-positional": ("nested-dropout", "rng-not-restored"),
+    "autocast-device-from-first-arg": ("nested-bf16-autocast", "autocast-lost"),
+    "matmul-outputs-cached": ("inplace-manual", "inputs-lost"),
+    "hooks-skipped-in-recompute": ("hooks", "input-grads-dropped"),
+    "hooks-run-twice": ("hooks", "forward-changed"),
+    "outside-params-no-grad": ("outside", "input-grads-dropped"),
+    "outside-params-grad-doubled": ("outside", "param-grads-wrong"),
+    "recomputed-held-to-backward-end": ("plain", "recomputed-held"),
+    "padding-zeroed": ("2L-layer-manual-attn", "forward-changed"),
+    "autocast-latched": ("2L-layer-bf16-fp32-last-layer", "autocast-lost"),
+}
+#: named near the fault, not at it (docs/causes.md says how)
+IMPRECISE = (
+    "dropout-off",
+    "matmul-outputs-cached",
+    "hooks-skipped-in-recompute",
+    "bn-stats-in-recompute-only",
+)
+
+
+def test_every_mutant_but_the_cuda_ones_is_in_the_table() -> None:
+    assert set(EXPECTED) == {m.name for m in MUTANTS if not m.cuda_only}
+    assert set(IMPRECISE) <= set(EXPECTED)
+
+
+@pytest.mark.mutants
+@pytest.mark.parametrize("name", list(EXPECTED))
+def test_each_mutant_gets_its_cause(name: str) -> None:
+    case_name, cause = EXPECTED[name]
+    case = CASES[case_name] if case_name in CASES else find_case(case_name)
+    mutant = next(m for m in MUTANTS if m.name == name)
+    found, sentence, _ = diagnosed(Implementation(name, mutant.impl), case)
+    assert found == cause, sentence
