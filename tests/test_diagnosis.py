@@ -200,3 +200,29 @@ def test_a_change_no_re_run_was_seen_to_read_is_the_model_s_under_torch_only() -
     assert diagnose(mine, _record(gradients="fail")).cause == "inputs-lost"
     torch_s = failure | {"reproduce": "gradequiv check --impl torch-patched --case {}"}
     assert diagnose(torch_s, _record(gradients="fail")).cause == "model-state-changed"
+
+
+def test_a_re_run_through_the_bound_forward_is_followed_by_its_submodules() -> None:
+    """A wrapper that re-runs ``module.forward`` passes none of the segment's own hooks;
+    its submodules' hooks still fire, so its re-run is compared all the same and the fault
+    it has besides (autocast lost) is named, not input gradients or parameters."""
+    from gradequiv.harness.implementations.faults import Faults, checkpoint_with_faults
+
+    faults = Faults(hooks_skipped_in_recompute=True, autocast_lost=True)
+
+    def bound_forward(function: Any, *args: Any, **kwargs: Any) -> Any:
+        return checkpoint_with_faults(function, *args, faults=faults, **kwargs)
+
+    cause, sentence, failure = diagnosed(Implementation("bound", bound_forward),
+                                         "2L-layer-bf16-dropout")
+    assert failure["first_diverging_op"]["op"] == "addmm", failure["localisation"]
+    assert cause == "autocast-lost", sentence
+
+
+def test_a_sentence_claims_matching_ops_only_where_they_were_compared() -> None:
+    record = _record(gradients="fail")
+    record["properties"][0]["checks"][0]["name"] = "grad of blocks.0.mlp.fc.weight"
+    unseen = _failure("gradients", localisation="no diverging op found: no segment ran again")
+    assert "no recomputed op was seen to differ" in diagnose(unseen, record).sentence
+    seen = _failure("gradients", localisation="every recomputed op of step 1 matched")
+    assert "the recomputed ops match" in diagnose(seen, record).sentence

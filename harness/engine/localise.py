@@ -31,8 +31,8 @@ from __future__ import annotations
 
 import random
 import sys
-from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from collections.abc import Callable, Collection
+from dataclasses import asdict, dataclass, replace
 from typing import Any
 
 import torch
@@ -90,6 +90,9 @@ class Divergence:
     rel_error: float | None  # None: not comparable (other op, shape or dtype)
     differing: float  # share of elements that differ (1.0 when not comparable)
     random: bool  # a random op: ``differing`` is the share of the mask drawn differently
+    # the re-run went past hooks of the segment's own that its forward ran (it called the
+    # bound forward: followed by the segment's submodules)
+    past_hooks: bool = False
 
     def describe(self) -> str:
         where = f"{self.op} in {self.module or self.segment} (op {self.index} of {self.segment})"
@@ -159,6 +162,16 @@ class _Tracker:
         registered = {id(m) for m in named.values()}
         # Segments outside the module tree (layer groups) are watched too.
         named.update({name: m for m, name in extra.items() if id(m) not in registered})
+        # A re-run through the segment's bound forward (instance patching) passes no hook
+        # of the segment's own, but its submodules' hooks still fire: by them a re-run is
+        # followed as the segment's (``implicit``), its ops those run with grad mode on.
+        self.owner_of = {name + ".": segments[id(m)] for name, m in named.items()
+                         if id(m) in segments}
+        self.implicit: str | None = None
+        # segments with forward hooks or pre-hooks of the model's own (before ours)
+        self.hooked = {segments[id(m)] for m in named.values() if id(m) in segments
+                       and (m._forward_hooks or m._forward_pre_hooks)}
+        self.partial: set[int] = set()  # ids of the op lists of such re-runs
         for name, module in named.items():
             self.handles.append(module.register_forward_pre_hook(self._enter(name, segments)))
             self.handles.append(module.register_forward_hook(self._leave(id(module), segments),
@@ -171,9 +184,18 @@ class _Tracker:
         def hook(module: nn.Module, args: Any) -> None:
             self.modules.append(name)
             if id(module) in segments:
+                self.implicit = None
                 self.segment.append(segments[id(module)])
                 phase = "recompute" if self.backward else "forward"
                 self.ops.setdefault((segments[id(module)], phase), []).append([])
+            elif self.backward and not self.segment and torch.is_grad_enabled():
+                owner = next((seg for prefix, seg in self.owner_of.items()
+                              if name.startswith(prefix)), None)
+                if owner is not None and owner != self.implicit:
+                    self.implicit = owner  # a re-run past the segment's own hooks begins
+                    run: list[_Op] = []
+                    self.partial.add(id(run))
+                    self.ops.setdefault((owner, "recompute"), []).append(run)
         return hook
 
     def _leave(self, key: int, segments: dict[int, str]) -> Any:
@@ -185,9 +207,12 @@ class _Tracker:
         return hook
 
     def current_ops(self) -> list[_Op] | None:
-        if not self.segment or (self.modules and self.modules[-1] in self.bookkeeping):
+        segment = self.segment[-1] if self.segment else None
+        if segment is None and self.implicit is not None and torch.is_grad_enabled():
+            segment = self.implicit  # backward's own kernels run with grad mode off
+        if segment is None or (self.modules and self.modules[-1] in self.bookkeeping):
             return None
-        key = (self.segment[-1], "recompute" if self.backward else "forward")
+        key = (segment, "recompute" if self.backward else "forward")
         runs = self.ops.setdefault(key, [[]])
         return runs[-1]
 
@@ -580,7 +605,9 @@ def localise(impl: Implementation, case: Case, device: str | torch.device = "cpu
                                   "as in a compiled graph)", model=model)
     for name in recomputed:  # model order: the earliest layer that goes wrong
         divergence = _compare_runs(name, tracker.ops.get((name, "forward"), []),
-                                   tracker.ops[(name, "recompute")])
+                                   tracker.ops[(name, "recompute")],
+                                   tracker.partial if name in tracker.hooked else (),
+                                   tracker.partial)
         if divergence is not None:
             return Localisation(divergence, model=model)
     return Localisation(None, "every recomputed op of step 1 matched its original in value, "
@@ -588,18 +615,33 @@ def localise(impl: Implementation, case: Case, device: str | torch.device = "cpu
                               "ops of step 1)", matched=True, model=model)
 
 
-def _compare_runs(segment: str, forward: list[list[_Op]],
-                  again: list[list[_Op]]) -> Divergence | None:
+def _compare_runs(segment: str, forward: list[list[_Op]], again: list[list[_Op]],
+                  past_hooks: Collection[int] = (),
+                  partial: Collection[int] = ()) -> Divergence | None:
     """Each recomputed run against the forward run it repeats: one that matches it op for
     op wherever there is one (a recompute may run a segment's applications in any order),
     else the forward run in the reverse order (backward meets the last application first);
-    the first run without a match gives the divergence."""
+    the first run without a match gives the divergence. A run followed by its submodules
+    (``partial``: a re-run through the bound forward) starts at its first submodule's first
+    op: the forward's ops before that one are left out of its comparison; where the
+    segment has hooks of its own (``past_hooks``), its divergence says the re-run went
+    past them."""
     for index, run in enumerate(again):
-        differences = [_first_difference(segment, f, run) for f in forward]
+        compared = [_from_first(f, run[0]) for f in forward] \
+            if id(run) in partial and run else forward
+        differences = [_first_difference(segment, f, run) for f in compared]
         if not differences or any(d is None for d in differences):
             continue
-        return differences[len(forward) - 1 - index if index < len(forward) else 0]
+        found = differences[len(forward) - 1 - index if index < len(forward) else 0]
+        return replace(found, past_hooks=True) if found and id(run) in past_hooks else found
     return None
+
+
+def _from_first(ops: list[_Op], first: _Op) -> list[_Op]:
+    """``ops`` from the first one run by ``first``'s op in ``first``'s module on."""
+    start = next((i for i, op in enumerate(ops) if op.op == first.op
+                  and op.module == first.module), 0)
+    return ops[start:]
 
 
 def _first_difference(segment: str, forward: list[_Op], again: list[_Op]) -> Divergence | None:

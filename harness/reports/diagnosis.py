@@ -34,8 +34,8 @@ __all__ = ["CAUSES", "Diagnosis", "diagnose"]
 
 #: Every cause a diagnosis can name.
 CAUSES = ("raised", "refuses-autograd-grad", "process", "global-state", "rng-not-restored",
-          "autocast-lost",
-          "inputs-lost", "no-input-requires-grad", "input-grads-dropped", "grad-mode-ignored",
+          "autocast-lost", "inputs-lost", "hooks-skipped", "no-input-requires-grad",
+          "input-grads-dropped", "grad-mode-ignored",
           "grad-touched", "model-own-generator", "model-python-random", "model-rerun-raised",
           "model-state-changed",
           "forward-changed", "buffers-updated-twice", "no-recompute", "recompute-count",
@@ -190,11 +190,12 @@ def _cause(failure: dict[str, Any], record: dict[str, Any] | None,
     inputs = [t for t in texts.get("gradients", []) if t.startswith("grad of input ")]
     if inputs and failure.get("first_diverging_op") is None:
         return "input-grads-dropped", (
-            f"the recomputed ops match the forward's, but the gradient reaching "
+            f"{_ops_said(failure)}, but the gradient reaching "
             f"{inputs[0].removeprefix('grad of ')} does not: the checkpoint passes wrong or no "
             f"gradients back to some of its inputs (a keyword argument, a part of a tuple "
             f"output, a detached input)")
-    found = None if failure.get("flaky") else _gradients_only(kind, failing, texts, op)
+    found = None if failure.get("flaky") else _gradients_only(kind, failing, texts, op,
+                                                              _ops_said(failure))
     if found is not None:
         return found
     recompute = texts.get("recompute", [])
@@ -367,8 +368,16 @@ def _forward_changed(texts: dict[str, list[str]]) -> str:
             f"before any recompute: the implementation changes what the segment computes")
 
 
+def _ops_said(failure: dict[str, Any]) -> str:
+    """What the localisation says of the re-run's ops, as evidence a sentence may state:
+    that they match only where it compared them (never a claim it contradicts)."""
+    if "every recomputed op" in (failure.get("localisation") or ""):
+        return "the recomputed ops match the forward's"
+    return "no recomputed op was seen to differ from its forward"
+
+
 def _gradients_only(kind: dict[str, Any], failing: list[str], texts: dict[str, list[str]],
-                    op: dict[str, Any] | None) -> tuple[str, str] | None:
+                    op: dict[str, Any] | None, ops: str) -> tuple[str, str] | None:
     """Gradients wrong while the forward and every recomputed op match: told by how the
     case asks for gradients (accumulated, a gradient penalty), by forwards without backward
     before it, or by which gradients differ (parameters only)."""
@@ -377,13 +386,13 @@ def _gradients_only(kind: dict[str, Any], failing: list[str], texts: dict[str, l
     worst = _tensor(texts["gradients"])
     if kind.get("grad_mode") == "accumulate":
         return "accumulation-lost", (
-            f"the recomputed ops match the forward's, but with gradients accumulated over "
+            f"{ops}, but with gradients accumulated over "
             f"micro-batches they differ ({worst}): the checkpoint overwrites or drops what "
             f"earlier micro-batches left in .grad (reads parameter gradients back from a "
             f".grad it cleared), where torch accumulates")
     if kind.get("grad_mode") == "create-graph":
         return "second-order-lost", (
-            f"the recomputed ops match the forward's, but under a gradient penalty the "
+            f"{ops}, but under a gradient penalty the "
             f"gradients differ ({worst}): the checkpoint's backward takes the segment's "
             f"gradients without create_graph (on detached inputs), so the penalty's "
             f"second-order terms through the segment are lost")
@@ -396,7 +405,7 @@ def _gradients_only(kind: dict[str, Any], failing: list[str], texts: dict[str, l
     grads = [t for t in texts["gradients"] if t.startswith("grad of ")]
     if grads and not any(t.startswith("grad of input ") for t in grads):
         return "param-grads-wrong", (
-            f"the recomputed ops match the forward's and every gradient reaching a segment's "
+            f"{ops} and every gradient reaching a segment's "
             f"inputs does too, but parameter gradients differ ({worst}): the checkpoint "
             f"returns wrong gradients for parameters it reads (one counted twice, returned "
             f"and also accumulated into .grad, or one it does not own left out)")
@@ -460,6 +469,12 @@ def _refuses_autograd_grad(line: str) -> bool:
 def _from_divergence(op: dict[str, Any]) -> tuple[str, str] | None:
     """A cause from the first recomputed op that differs from its original."""
     where = f"{op['op']} in {op.get('module') or op['segment']}"
+    if op.get("past_hooks") and not op.get("random"):
+        return "hooks-skipped", (
+            f"the recompute calls {op['segment']}'s forward directly (module.forward, not "
+            f"module(...)): the forward and pre-hooks registered on it (a LoRA, a steering "
+            f"vector, an input rescale) ran in the forward and not in the re-run, which "
+            f"parts from it at {where}; call the module itself in the recompute")
     forward, again = op.get("forward", ""), op.get("recompute", "")
     if op.get("random") and forward == again:
         return "rng-not-restored", (
