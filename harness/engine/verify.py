@@ -359,7 +359,7 @@ def _check_all(
     leaked = _global_state_leak(full, rc)
     if leaked:
         results["rng"].failures.append(leaked)
-    results["rng"].failures += _rng_stories(full, rc, results["rng"].checks)
+    results["rng"].failures += _rng_stories(full, rc)
     _check_recompute(case, full, rc, results["recompute"], compiled, selective=selective)
     for result in results.values():
         if result.passed is not None:
@@ -375,19 +375,18 @@ def _check_all(
 _MAX_DRAWS = 1 << 16
 
 
-def _rng_stories(full: PathRun, rc: PathRun, checks: list[TensorCheck]) -> list[str]:
+def _rng_stories(full: PathRun, rc: PathRun) -> list[str]:
     """What the recompute path did to the caller's CPU stream, at the first step whose
     state differs: reseeded it, left it rewound (behind full storage's, to where the step
     began if so), or advanced it by extra draws. A state that is none of these (other
     draws) gets no story; the failing check says it differs."""
-    for check in checks:
-        if check.passed or check.property != "rng" or not check.name.endswith(": cpu"):
+    for k, (step_rc, step_full) in enumerate(zip(rc.steps, full.steps), start=1):
+        ours, theirs = step_rc.rng["cpu"], step_full.rng["cpu"]
+        if torch.equal(ours, theirs):
             continue
-        step = int(check.name.removeprefix("RNG state after step ").split(":")[0])
-        theirs, ours = full.steps[step - 1].rng["cpu"], rc.steps[step - 1].rng["cpu"]
-        starts = [full.starts[step - 2].rng["cpu"]] if step > 1 and full.starts else []
-        return [f"after step {step} the caller's cpu generator was left {story}"
-                for story in [_rng_story(theirs, ours, starts[0] if starts else None)] if story]
+        start = full.starts[k - 2].rng["cpu"] if 1 < k <= len(full.starts) + 1 else None
+        story = _rng_story(theirs, ours, start)
+        return [f"after step {k} the caller's cpu generator was left {story}"] if story else []
     return []
 
 

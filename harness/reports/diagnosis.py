@@ -92,8 +92,7 @@ def _further_faults(cause: str, failure: dict[str, Any], record: dict[str, Any] 
         return []
     texts = {name: _texts(record, name) for name in failing}
     found: list[tuple[str, str]] = []
-    story = next((t for t in texts.get("rng", []) if "caller's cpu generator was left" in t),
-                 "")
+    story = _story(texts)
     if story and cause not in _STREAM_CAUSES:
         if " left advanced" in story:  # the re-run drew from the caller's stream
             found.append(("rng-not-restored", (
@@ -101,27 +100,43 @@ def _further_faults(cause: str, failure: dict[str, Any], record: dict[str, Any] 
                 f"caller's stream ({story[story.index('the caller'):]}), so its random ops "
                 f"drew other numbers than the forward's")))
         else:
-            found.append(("rng-stream-moved", _stream_moved(story, texts, step1=False)
-                          .removeprefix("outputs and gradients match, but ")))
+            found.append(("rng-stream-moved", _stream_moved(story, texts, step1=False)))
     if "buffers" in failing and cause not in ("buffers-updated-twice", "model-state-changed"):
-        found.append(("buffers-updated-twice", (
-            f"module state differs from full storage's ({_tensor(texts['buffers'])}): the "
-            f"re-run updates buffers (running statistics, counters) a second time")))
+        found.append(("buffers-updated-twice", _buffers_twice(texts)))
     if "recompute" in failing and cause not in _MEMORY_CAUSES:
         other, sentence = _cause({**failure, "property": "recompute",
                                   "first_diverging_op": None}, record, ["recompute"])
         if other in _MEMORY_CAUSES:
             found.append((other, sentence))
-    missing = next((t for t in texts.get("gradients", []) if "absent on the recompute path" in t
-                    or "exists only on the full-storage" in t), "")
+    missing = _missing(texts)
     if missing and cause not in ("input-grads-dropped", "no-input-requires-grad",
                                  "no-recompute", "no-memory-saved") \
             and not any(c == "no-recompute" for c, _ in found):
-        found.append(("input-grads-dropped", (
-            f"the recompute path has no gradient where full storage has one "
-            f"({missing.split(':')[0]}): the checkpoint does not pass gradients back to every "
-            f"input that requires grad")))
+        found.append(("input-grads-dropped", _grads_dropped(missing[0])))
     return found
+
+
+def _story(texts: dict[str, list[str]]) -> str:
+    """The rng property's story of the caller's stream (verify._rng_stories), or ""."""
+    return next((t for t in texts.get("rng", []) if "caller's cpu generator was left" in t), "")
+
+
+def _missing(texts: dict[str, list[str]]) -> list[str]:
+    """The gradients full storage has and the recompute path does not."""
+    return [t for t in texts.get("gradients", []) if "absent on the recompute path" in t
+            or "exists only on the full-storage" in t]
+
+
+def _grads_dropped(missing: str) -> str:
+    return (f"the recompute path has no gradient where full storage has one "
+            f"({missing.split(':')[0]}): the checkpoint does not pass gradients back to every "
+            f"input that requires grad (a keyword argument, a part of a tuple, a detached "
+            f"input)")
+
+
+def _buffers_twice(texts: dict[str, list[str]]) -> str:
+    return (f"module state differs from full storage's ({_tensor(texts['buffers'])}): the "
+            f"re-run updates buffers (running statistics, counters) a second time")
 
 
 def _cause(failure: dict[str, Any], record: dict[str, Any] | None,
@@ -163,8 +178,7 @@ def _cause(failure: dict[str, Any], record: dict[str, Any] | None,
             f"the recompute path has gradients where full storage has none{where}: the "
             f"checkpoint builds a graph for a forward that ran under no_grad (a frozen layer), "
             f"so the frozen weights and what feeds them get gradients")
-    missing = [t for t in texts.get("gradients", []) if "absent on the recompute path" in t
-               or "exists only on the full-storage" in t]
+    missing = _missing(texts)
     kind = (record or {}).get("case") or {}
     if missing and "outputs" in failing and kind.get("grad_mode") != "accumulate":
         # the forward already differs: a gradient it no longer has follows from that
@@ -176,13 +190,9 @@ def _cause(failure: dict[str, Any], record: dict[str, Any] | None,
             f"runs when an input needs a gradient (frozen embeddings before the first "
             f"checkpointed layer); give the segment an input that requires grad, or use the "
             f"non-reentrant variant")
+    if missing:
+        return "input-grads-dropped", _grads_dropped(missing[0])
     for text in texts.get("gradients", []):
-        if "absent on the recompute path" in text or "exists only on the full-storage" in text:
-            return "input-grads-dropped", (
-                f"the recompute path has no gradient where full storage has one "
-                f"({text.split(':')[0]}): the checkpoint does not pass gradients back to every "
-                f"input that requires grad (a keyword argument, a part of a tuple, a detached "
-                f"input)")
         if "changed .grad" in text:
             return "grad-touched", (
                 "torch.autograd.grad wrote into .grad: the recompute runs backward inside "
@@ -230,16 +240,14 @@ def _cause(failure: dict[str, Any], record: dict[str, Any] | None,
         return "recompute-count", f"segments re-run the wrong number of times: {said['time(s) in']}"
     step1 = {"outputs", "gradients"} & set(failing)
     if "buffers" in failing and not step1:
-        return "buffers-updated-twice", (
-            f"outputs and gradients match, but module state does not ("
-            f"{_tensor(texts['buffers'])}): the re-run updates buffers (running statistics, "
-            f"counters) a second time")
-    story = next((t for t in texts.get("rng", []) if "caller's cpu generator was left" in t),
-                 "")
-    accumulated = ((record or {}).get("case") or {}).get("grad_mode") == "accumulate"
-    if "rng" in failing and (not step1 or (story and accumulated and "outputs" in failing
-                                           and not failure.get("first_diverging_op"))):
-        return "rng-stream-moved", _stream_moved(story, texts, step1=bool(step1))
+        return "buffers-updated-twice", f"outputs and gradients match, but {_buffers_twice(texts)}"
+    story = _story(texts)
+    accumulated = kind.get("grad_mode") == "accumulate"
+    if "rng" in failing and not step1:
+        return "rng-stream-moved", (f"outputs and gradients match, but "
+                                    f"{_stream_moved(story, texts, step1=False)}")
+    if "rng" in failing and story and accumulated and "outputs" in failing and not op:
+        return "rng-stream-moved", _stream_moved(story, texts, step1=True)
     if "trajectory" in failing and not step1 and "buffers" not in failing:
         return "later-step", (
             f"step 1 matches full storage, but a later step does not "
@@ -398,8 +406,8 @@ def _gradients_only(kind: dict[str, Any], failing: list[str], texts: dict[str, l
             f"second-order terms through the segment are lost")
     if kind.get("inference"):
         return "inference", (
-            f"no recomputed op was found to differ from its forward, but this case runs "
-            f"eval and no_grad forwards before training and its gradients differ ({worst}): "
+            f"{ops}, but this case runs eval and no_grad forwards before training and its "
+            f"gradients differ ({worst}): "
             f"the implementation keeps state from forwards that had no backward (a queue of "
             f"RNG states every forward pushes and only backward pops)")
     grads = [t for t in texts["gradients"] if t.startswith("grad of ")]
@@ -425,9 +433,10 @@ _STREAM_FIX = {
 
 def _stream_moved(story: str, texts: dict[str, list[str]], *, step1: bool) -> str:
     """The rng-stream-moved sentence: what the recompute left the caller's stream at (the
-    story verify tells: rewound, advanced or reseeded) and where that first shows."""
+    story verify tells: rewound, advanced or reseeded) and where that first shows (after
+    the step; ``step1``: in the next micro-batch's forward)."""
     if not story:
-        return (f"outputs and gradients match, but the RNG stream after the step differs "
+        return (f"the RNG stream after the step differs "
                 f"from full storage's ({_generator(texts['rng'])}): the recompute draws "
                 f"random numbers and leaves the generator moved, so every later random op "
                 f"draws other numbers")
@@ -438,8 +447,7 @@ def _stream_moved(story: str, texts: dict[str, list[str]], *, step1: bool) -> st
                 f"random ops then draw other numbers than with full storage, so its forward "
                 f"differs ({_tensor(texts.get('outputs', []))}): the segment computes the same, "
                 f"the stream it draws from does not")
-    return (f"outputs and gradients match, but {story}: the recompute {does}, so every later "
-            f"random op draws other numbers")
+    return f"{story}: the recompute {does}, so every later random op draws other numbers"
 
 
 def _no_input_requires_grad(record: dict[str, Any] | None, missing: list[str]) -> bool:
