@@ -1,12 +1,11 @@
 """The cause benchmark: every mutant of the fault library on the case that exposes it (the
 cheapest kind from tests/test_fault_library.py, a named case otherwise), with the headline
-cause its minimal failure must get. docs/causes.md gives the same table with the sentence.
-
-A handful are named by a cause that is near but not exact (``IMPRECISE``): they are held to
-it so that a change is seen, and listed as open in docs/causes.md.
+cause its minimal failure must get. docs/causes.md gives the same table.
 """
 
 from __future__ import annotations
+
+from pathlib import Path
 
 import pytest
 from test_diagnosis import diagnosed
@@ -15,6 +14,7 @@ from test_fault_library import CASES
 from gradequiv.harness import find_case
 from gradequiv.harness.implementations.adapters import Implementation
 from gradequiv.harness.implementations.faults import MUTANTS
+from gradequiv.harness.reports.diagnosis import CAUSES
 
 #: mutant -> (case kind or named case, headline cause)
 EXPECTED = {
@@ -24,7 +24,7 @@ EXPECTED = {
     "reseeded": ("1L-layer-dropout", "rng-not-restored"),
     "caller-stream-moved": ("2L-layer-manual-attn", "rng-stream-moved"),
     "caller-stream-moved-once": ("2L-layer-manual-attn", "rng-stream-moved"),
-    "dropout-off": ("1L-layer-dropout", "inputs-lost"),
+    "dropout-off": ("1L-layer-dropout", "dropout-skipped"),
     "autocast-lost": ("2L-layer-bf16-dropout", "autocast-lost"),
     "kwargs-dropped": ("1L-layer-dropout", "inputs-lost"),
     "input-grads-dropped": ("1L-layer-dropout", "input-grads-dropped"),
@@ -46,14 +46,14 @@ EXPECTED = {
     "saved-inputs-kept": ("plain", "leak"),
     "large-boundary-compressed": ("large", "inputs-lost"),
     "group-layers-unchained": ("group", "forward-changed"),
-    "bn-stats-in-recompute-only": ("batchnorm-inference", "buffers-updated-twice"),
+    "bn-stats-in-recompute-only": ("batchnorm-inference", "buffers-missed"),
     "grads-without-graph": ("2L-layer-create-graph-manual-attn", "second-order-lost"),
     "stash-kept-after-warmup": ("1L-layer-dropout", "leak"),
     "grad-mode-forced-on": ("2L-layer-frozen-first-layer", "grad-mode-ignored"),
     "nested-tensors-no-grad": ("nested", "input-grads-dropped"),
     "rng-devices-from-positional": ("nested-dropout", "rng-not-restored"),
     "autocast-device-from-first-arg": ("nested-bf16-autocast", "autocast-lost"),
-    "matmul-outputs-cached": ("inplace-manual", "inputs-lost"),
+    "matmul-outputs-cached": ("inplace-manual", "saved-output-changed"),
     "hooks-skipped-in-recompute": ("hooks", "hooks-skipped"),
     "hooks-run-twice": ("hooks", "forward-changed"),
     "outside-params-no-grad": ("outside", "input-grads-dropped"),
@@ -62,17 +62,22 @@ EXPECTED = {
     "padding-zeroed": ("2L-layer-manual-attn", "forward-changed"),
     "autocast-latched": ("2L-layer-bf16-fp32-last-layer", "autocast-lost"),
 }
-#: named near the fault, not at it (docs/causes.md says how)
-IMPRECISE = (
-    "dropout-off",
-    "matmul-outputs-cached",
-    "bn-stats-in-recompute-only",
-)
 
 
 def test_every_mutant_but_the_cuda_ones_is_in_the_table() -> None:
     assert set(EXPECTED) == {m.name for m in MUTANTS if not m.cuda_only}
-    assert set(IMPRECISE) <= set(EXPECTED)
+    assert {cause for _, cause in EXPECTED.values()} <= set(CAUSES)
+
+
+def test_docs_give_the_same_table() -> None:
+    text = (Path(__file__).parents[1] / "docs" / "causes.md").read_text()
+    rows = dict(_row(line) for line in text.splitlines() if line.startswith("| `"))
+    assert rows == {name: (case, cause) for name, (case, cause) in EXPECTED.items()}
+
+
+def _row(line: str) -> tuple[str, tuple[str, str]]:
+    name, case, cause = (cell.strip().strip("`") for cell in line.strip("|").split("|")[:3])
+    return name, (case, cause)
 
 
 @pytest.mark.mutants

@@ -6,6 +6,7 @@ from typing import Any
 
 import pytest
 import torch
+from test_fault_library import CASES
 
 from gradequiv.harness import Case, Implementation, find_case, resolve, verify
 from gradequiv.harness.reports.diagnosis import CAUSES, diagnose
@@ -50,7 +51,14 @@ def diagnosed(spec: str | Implementation, name: str | Case) -> tuple[str, str, d
      "keyword argument"),
     (FAULTS + "input_grads_dropped", "1L-layer-dropout", "input-grads-dropped", "input"),
     (FAULTS + "buffers_updated_twice", "batchnorm-layer", "buffers-updated-twice",
-     "num_batches_tracked"),
+     "num_batches_tracked is 2 on the recompute path, 1 with full storage"),
+    # the counter is behind, not ahead: only the re-run updates it
+    (FAULTS + "bn_stats_in_recompute_only", CASES["batchnorm-inference"], "buffers-missed",
+     "num_batches_tracked is 1 on the recompute path, 2 with full storage"),
+    (FAULTS + "dropout_off", "2L-layer-manual-attn", "dropout-skipped",
+     "runs no random ops where its forward ran"),
+    (FAULTS + "matmul_outputs_cached", CASES["inplace-manual"], "saved-output-changed",
+     "reads bmm's output from the forward"),
     (FAULTS + "no_op", "1L-layer-dropout", "no-memory-saved", "no memory was saved"),
     (FAULTS + "recomputed_kept", "1L-layer-dropout", "leak", "past backward"),
     ("wrong_impls:wrong_from_second_step", "1L-layer-dropout", "later-step", "step 2"),
@@ -61,7 +69,7 @@ def diagnosed(spec: str | Implementation, name: str | Case) -> tuple[str, str, d
     (FAULTS + "recomputed_held_to_backward_end", "2L-layer-manual-attn", "recomputed-held",
      "backward's peak"),
 ])
-def test_each_fault_is_diagnosed_by_its_cause(spec: str, case: str, cause: str,
+def test_each_fault_is_diagnosed_by_its_cause(spec: str, case: str | Case, cause: str,
                                               words: str) -> None:
     found, sentence, _ = diagnosed(spec, case)
     assert found == cause, sentence

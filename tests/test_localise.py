@@ -1,8 +1,10 @@
-"""The first diverging op: named for an RNG fault and a lost autocast, absent when correct."""
+"""The first diverging op: named for an RNG fault and a lost autocast, absent when correct;
+with the random ops each run drew and a re-run's read of a saved output changed since."""
 
 from __future__ import annotations
 
 import pytest
+from test_fault_library import CASES
 
 from gradequiv.harness import Implementation, find_case, resolve
 from gradequiv.harness.engine.localise import localise
@@ -33,6 +35,34 @@ def test_a_lost_autocast_names_the_first_op_whose_dtype_differs() -> None:
 def test_dropped_keyword_arguments_show_as_another_op_sequence() -> None:
     d = localise(MUTANT["kwargs-dropped"], find_case("2L-layer-manual-attn")).divergence
     assert d is not None and d.forward != d.recompute and d.rel_error is None
+
+
+def test_a_re_run_with_dropout_off_counts_fewer_random_ops() -> None:
+    d = localise(MUTANT["dropout-off"], find_case("2L-layer-manual-attn")).divergence
+    assert d is not None and d.draws[0] > 0 and d.draws[1] == 0
+    assert not d.stale
+
+
+def test_a_saved_output_changed_in_place_is_a_stale_read_naming_its_op() -> None:
+    """The store hands back bmm's output after the forward's in-place scale wrote into it."""
+    found = localise(MUTANT["matmul-outputs-cached"], CASES["inplace-manual"])
+    d = found.divergence
+    assert d is not None and "reads bmm's output from the forward" in d.stale
+    assert "stale read: " in found.describe()
+
+
+@pytest.mark.parametrize("case", ["2L-layer-manual-attn", "1L-layer-dropout"])
+@pytest.mark.parametrize("spec", ["wrong_impls:selective_drops_kwargs", "wrong_impls:drops_kwargs",
+                                  "no-rng-restore"])
+def test_a_store_serving_unchanged_outputs_or_a_re_run_reusing_memory_reads_nothing_stale(
+        spec: str, case: str) -> None:
+    """torch's selective checkpoint hands the forward's matmul outputs back unchanged, and a
+    full re-run allocates where the forward's freed tensors were (on 1L-layer-dropout a
+    re-run op's input sits where a forward op's output of other values was): neither is a
+    stale read, so the fault keeps its own evidence."""
+    impl = MUTANT[spec] if spec in MUTANT else resolve(spec)
+    d = localise(impl, find_case(case)).divergence
+    assert d is not None and d.stale == "" and d.draws[0] == d.draws[1]
 
 
 @pytest.mark.parametrize("case", ["2L-layer-manual-attn", "4L-group2-dropout-untied",

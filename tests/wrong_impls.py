@@ -7,6 +7,7 @@ pytest puts this folder on sys.path.
 
 from __future__ import annotations
 
+import functools
 import itertools
 import os
 from collections import Counter
@@ -14,7 +15,7 @@ from typing import Any
 
 import torch
 from torch import Tensor, nn
-from torch.utils.checkpoint import checkpoint
+from torch.utils.checkpoint import checkpoint, create_selective_checkpoint_contexts
 
 
 def _checkpoint(fn: Any, *args: Any, **kwargs: Any) -> Any:
@@ -101,6 +102,20 @@ def drops_kwargs(fn: Any, *args: Any, **kwargs: Any) -> Any:
         return fn(*a, **kwargs) if next(first) == 0 else fn(*a)
 
     return _checkpoint(run, *args)
+
+
+def selective_drops_kwargs(fn: Any, *args: Any, **kwargs: Any) -> Any:
+    """torch's selective checkpoint saving every matmul output (a store the re-run reads
+    the forward's outputs from, unchanged), with keyword arguments dropped in the re-run."""
+    first = itertools.count()
+
+    def run(*a: Any) -> Any:
+        return fn(*a, **kwargs) if next(first) == 0 else fn(*a)
+
+    contexts = functools.partial(
+        create_selective_checkpoint_contexts,
+        [torch.ops.aten.mm.default, torch.ops.aten.addmm.default, torch.ops.aten.bmm.default])
+    return _checkpoint(run, *args, context_fn=contexts)
 
 
 def interrupts(fn: Any, *args: Any, **kwargs: Any) -> Any:

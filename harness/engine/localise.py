@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import random
 import sys
+import weakref
 from collections.abc import Callable, Collection
 from dataclasses import asdict, dataclass, replace
 from typing import Any
@@ -93,6 +94,12 @@ class Divergence:
     # the re-run went past hooks of the segment's own that its forward ran (it called the
     # bound forward: followed by the segment's submodules)
     past_hooks: bool = False
+    #: random ops in the forward run and in its re-run: a re-run that draws less skips
+    #: dropout (eval mode, a disabled dropout)
+    draws: tuple[int, int] = (0, 0)
+    #: a re-run op that read an output the forward made, changed since (served from a
+    #: store after an in-place op wrote into it); "" when none did
+    stale: str = ""
 
     def describe(self) -> str:
         where = f"{self.op} in {self.module or self.segment} (op {self.index} of {self.segment})"
@@ -116,7 +123,9 @@ class Localisation:
 
     def describe(self) -> str:
         if self.divergence is not None:
-            return "; ".join([f"first diverging op: {self.divergence.describe()}", *self.model])
+            stale = [f"stale read: {self.divergence.stale}"] if self.divergence.stale else []
+            return "; ".join([f"first diverging op: {self.divergence.describe()}", *stale,
+                              *self.model])
         return "; ".join([f"no diverging op found: {self.reason}", *self.model])
 
 
@@ -130,13 +139,18 @@ class _Recorder(TorchDispatchMode):  # type: ignore[no-untyped-call]  # untyped 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (),
                            kwargs: Any = None) -> Any:
         given = self.owner.watch.before(func, args, kwargs or {}, self.owner)
+        ops = self.owner.current_ops()
+        if ops is not None and self.owner.backward:
+            self.owner.made.read(func, (args, kwargs), ops, self.owner)
         out = func(*args, **(kwargs or {}))
         self.owner.watch.after(func, given)
-        ops = self.owner.current_ops()
         if ops is not None and not _skipped(func) and not self.owner.writes_buffer(func, args):
             first = next((t for t in tree_leaves(out) if isinstance(t, Tensor)), None)
             value = first.detach().clone() if first is not None else None
-            ops.append(_Op(str(func.overloadpacket.__name__), self.owner.module_path(), value))
+            recorded = _Op(str(func.overloadpacket.__name__), self.owner.module_path(), value)
+            ops.append(recorded)
+            if not self.owner.backward:
+                self.owner.made.made(recorded, out, ops, self.owner)
         return out
 
 
@@ -172,6 +186,7 @@ class _Tracker:
         self.hooked = {segments[id(m)] for m in named.values() if id(m) in segments
                        and (m._forward_hooks or m._forward_pre_hooks)}
         self.partial: set[int] = set()  # ids of the op lists of such re-runs
+        self.made = _Made()
         for name, module in named.items():
             self.handles.append(module.register_forward_pre_hook(self._enter(name, segments)))
             self.handles.append(module.register_forward_hook(self._leave(id(module), segments),
@@ -229,6 +244,56 @@ class _Tracker:
     def remove(self) -> None:
         for handle in self.handles:
             handle.remove()
+
+
+class _Made:
+    """Which forward op of which segment made each tensor still alive, to see a re-run read
+    one of them changed since: a store that serves the forward's outputs by reference (a
+    selective policy's cache) after an in-place op wrote into one. A tensor is found by its
+    storage and layout; an entry counts only while the forward's tensor is alive, so that
+    its storage is nobody else's."""
+
+    def __init__(self) -> None:
+        #: storage -> (the forward's tensor, segment, its op's position in its run, the op)
+        self.by_storage: dict[int, list[tuple[weakref.ref[Tensor], str, int, _Op]]] = {}
+        self.stale: dict[str, str] = {}  # segment -> its first stale read
+
+    def made(self, recorded: _Op, out: Any, ops: list[_Op], tracker: _Tracker) -> None:
+        """After a recorded forward op of a segment: its first output's maker."""
+        tensor = next((t for t in tree_leaves(out) if isinstance(t, Tensor)), None)
+        if tensor is None or not tracker.segment:
+            return
+        entries = [e for e in self.by_storage.get(_ptr(tensor), []) if e[0]() is not None]
+        entries.append((weakref.ref(tensor), tracker.segment[-1], len(ops) - 1, recorded))
+        self.by_storage[_ptr(tensor)] = entries
+
+    def read(self, func: Any, given: Any, ops: list[_Op], tracker: _Tracker) -> None:
+        """Before a re-run op: an argument the forward made, whose values changed since."""
+        segment = tracker.segment[-1] if tracker.segment else tracker.implicit or ""
+        if segment in self.stale:
+            return
+        for tensor in (t for t in tree_leaves(given) if isinstance(t, Tensor)):
+            for ref, made_in, index, op in self.by_storage.get(_ptr(tensor), []):
+                original = ref()
+                if original is None or made_in != segment or not _same_layout(original, tensor) \
+                        or op.value is None:
+                    continue
+                with _disable_current_modes():
+                    if _equal(op.value, tensor.detach()):
+                        continue
+                    share = float((op.value != tensor.detach()).float().mean())
+                name = str(func.overloadpacket.__name__)
+                self.stale[segment] = (
+                    f"{name} in {tracker.module_path() or segment} (op {len(ops)} of the "
+                    f"re-run) reads {op.op}'s output from the forward (op {index} of "
+                    f"{segment}) instead of computing it, changed since the forward made it "
+                    f"({share:.0%} of its elements differ)")
+                return
+
+
+def _same_layout(a: Tensor, b: Tensor) -> bool:
+    return (a.shape == b.shape and a.dtype == b.dtype and a.stride() == b.stride()
+            and a.storage_offset() == b.storage_offset())
 
 
 class _ModelWatch:
@@ -609,7 +674,8 @@ def localise(impl: Implementation, case: Case, device: str | torch.device = "cpu
                                    tracker.partial if name in tracker.hooked else (),
                                    tracker.partial)
         if divergence is not None:
-            return Localisation(divergence, model=model)
+            stale = tracker.made.stale.get(name, "")
+            return Localisation(replace(divergence, stale=stale), model=model)
     return Localisation(None, "every recomputed op of step 1 matched its original in value, "
                               "dtype and shape (the fault lies outside the re-run segments' "
                               "ops of step 1)", matched=True, model=model)
@@ -632,9 +698,17 @@ def _compare_runs(segment: str, forward: list[list[_Op]], again: list[list[_Op]]
         differences = [_first_difference(segment, f, run) for f in compared]
         if not differences or any(d is None for d in differences):
             continue
-        found = differences[len(forward) - 1 - index if index < len(forward) else 0]
-        return replace(found, past_hooks=True) if found and id(run) in past_hooks else found
+        which = len(forward) - 1 - index if index < len(forward) else 0
+        found = differences[which]
+        if found is None:
+            return None
+        draws = (_draws(compared[which]), _draws(run))
+        return replace(found, past_hooks=id(run) in past_hooks, draws=draws)
     return None
+
+
+def _draws(ops: list[_Op]) -> int:
+    return sum(any(word in op.op for word in _RANDOM) for op in ops)
 
 
 def _from_first(ops: list[_Op], first: _Op) -> list[_Op]:

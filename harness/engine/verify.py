@@ -80,6 +80,9 @@ class TensorCheck:
     mismatched: int
     numel: int
     max_ulps: int | None = 0  # greatest distance in units in the last place (None: not floats)
+    #: a counter's (a one-element integer tensor's) value on each path, recompute then full
+    #: storage: which way it is off (a second update, or one missed); None for other tensors
+    counts: list[int] | None = None
 
     def describe(self) -> str:
         if self.property == "rng" and self.name.startswith("RNG state after "):
@@ -337,11 +340,11 @@ def _check_all(
         [(a, b) for _, _, a, b, _ in comparable] + [(c, b) for _, _, _, b, c in comparable]
     )
     n = len(comparable)
-    for (prop, name, _, b, _), m, f in zip(comparable, metrics[:n], metrics[n:]):
+    for (prop, name, a, b, _), m, f in zip(comparable, metrics[:n], metrics[n:]):
         bound = tolerance.bound(f.rel_error, b.dtype)
         check = TensorCheck(prop, name, tolerance.passes(m, bound), m.rel_error, bound,
                             f.rel_error, m.max_abs, m.cosine, m.mismatched, m.numel,
-                            m.max_ulps)
+                            m.max_ulps, _counts(a, b))
         results[prop].checks.append(check)
 
     if not full.steps[0].buffers:
@@ -425,6 +428,14 @@ def _draws_between(start: Tensor, end: Tensor) -> int | None:
         if torch.equal(generator.get_state(), end):
             return n
     return None
+
+
+def _counts(a: Any, b: Any) -> list[int] | None:
+    """Two versions of a counter (a one-element integer tensor), else None."""
+    if not (isinstance(a, Tensor) and isinstance(b, Tensor)) or a.numel() != 1 \
+            or b.numel() != 1 or a.is_floating_point() or a.is_complex() or a.dtype == torch.bool:
+        return None
+    return [int(a.item()), int(b.item())]
 
 
 def _item(prop: str, name: str, values: list[Any]) -> _Item:

@@ -34,11 +34,13 @@ __all__ = ["CAUSES", "Diagnosis", "diagnose"]
 
 #: Every cause a diagnosis can name.
 CAUSES = ("raised", "refuses-autograd-grad", "process", "global-state", "rng-not-restored",
-          "autocast-lost", "inputs-lost", "hooks-skipped", "no-input-requires-grad",
+          "autocast-lost", "dropout-skipped", "saved-output-changed", "inputs-lost",
+          "hooks-skipped", "no-input-requires-grad",
           "input-grads-dropped", "grad-mode-ignored",
           "grad-touched", "model-own-generator", "model-python-random", "model-rerun-raised",
           "model-state-changed",
-          "forward-changed", "buffers-updated-twice", "no-recompute", "recompute-count",
+          "forward-changed", "buffers-updated-twice", "buffers-missed", "no-recompute",
+          "recompute-count",
           "no-memory-saved", "leak", "recomputed-held", "rng-stream-moved", "later-step",
           "inference", "accumulation-lost", "second-order-lost", "param-grads-wrong",
           "nondeterministic", "other")
@@ -77,6 +79,7 @@ def diagnose(failure: dict[str, Any], record: dict[str, Any] | None) -> Diagnosi
 _MEMORY_CAUSES = ("no-memory-saved", "no-recompute", "leak", "recomputed-held",
                   "recompute-count")
 #: Causes that already account for the caller's stream.
+_BUFFER_CAUSES = ("buffers-updated-twice", "buffers-missed", "model-state-changed")
 _STREAM_CAUSES = ("rng-not-restored", "rng-stream-moved", "global-state", "model-own-generator",
                   "model-python-random", "nondeterministic")
 
@@ -101,8 +104,8 @@ def _further_faults(cause: str, failure: dict[str, Any], record: dict[str, Any] 
                 f"drew other numbers than the forward's")))
         else:
             found.append(("rng-stream-moved", _stream_moved(story, texts, step1=False)))
-    if "buffers" in failing and cause not in ("buffers-updated-twice", "model-state-changed"):
-        found.append(("buffers-updated-twice", _buffers_twice(texts)))
+    if "buffers" in failing and cause not in _BUFFER_CAUSES:
+        found.append(_buffers(record, texts))
     if "recompute" in failing and cause not in _MEMORY_CAUSES:
         other, sentence = _cause({**failure, "property": "recompute",
                                   "first_diverging_op": None}, record, ["recompute"])
@@ -134,9 +137,28 @@ def _grads_dropped(missing: str) -> str:
             f"input)")
 
 
-def _buffers_twice(texts: dict[str, list[str]]) -> str:
-    return (f"module state differs from full storage's ({_tensor(texts['buffers'])}): the "
-            f"re-run updates buffers (running statistics, counters) a second time")
+def _buffers(record: dict[str, Any] | None, texts: dict[str, list[str]]) -> tuple[str, str]:
+    """The buffers that differ, told by which way a counter is off: more updates than full
+    storage's (the re-run updates them a second time) or fewer (only the re-run updates
+    them, so a forward without backward never does)."""
+    counted = next((c for p in (record or {}).get("properties", []) if p["name"] == "buffers"
+                    for c in p.get("checks", []) if not c.get("passed") and c.get("counts")),
+                   None)
+    if counted is not None and counted["counts"][0] < counted["counts"][1]:
+        ours, theirs = counted["counts"]
+        return "buffers-missed", (
+            f"module state differs from full storage's ({counted['name']} is {ours} on the "
+            f"recompute path, {theirs} with full storage): buffers (running statistics, "
+            f"counters) are updated fewer times than without recompute; the forward leaves "
+            f"them alone and only the re-run updates them, so a forward without backward "
+            f"(under no_grad in train mode) never does: update them in the forward and "
+            f"skip the update in the re-run")
+    said = (f"{counted['name']} is {counted['counts'][0]} on the recompute path, "
+            f"{counted['counts'][1]} with full storage" if counted is not None
+            else _tensor(texts["buffers"]))
+    return "buffers-updated-twice", (
+        f"module state differs from full storage's ({said}): the re-run updates buffers "
+        f"(running statistics, counters) a second time")
 
 
 def _cause(failure: dict[str, Any], record: dict[str, Any] | None,
@@ -240,7 +262,8 @@ def _cause(failure: dict[str, Any], record: dict[str, Any] | None,
         return "recompute-count", f"segments re-run the wrong number of times: {said['time(s) in']}"
     step1 = {"outputs", "gradients"} & set(failing)
     if "buffers" in failing and not step1:
-        return "buffers-updated-twice", f"outputs and gradients match, but {_buffers_twice(texts)}"
+        found = _buffers(record, texts)
+        return found[0], f"outputs and gradients match, but {found[1]}"
     story = _story(texts)
     accumulated = kind.get("grad_mode") == "accumulate"
     if "rng" in failing and not step1:
@@ -311,8 +334,9 @@ def _model_draws(failure: dict[str, Any], raised: str = "") -> tuple[str, str] |
 #: computing another thing, a raise; and under torch's own checkpoint, which re-runs
 #: faithfully, a fault seen only at a later step, in buffers, in a later forward (the next
 #: micro-batch's, an eval one's), in gradients alone or nowhere in particular.
-_REFINED = ("raised", "inputs-lost")
-_REFINED_UNDER_TORCH = ("later-step", "buffers-updated-twice", "forward-changed", "inference",
+_REFINED = ("raised", "inputs-lost", "dropout-skipped")
+_REFINED_UNDER_TORCH = ("later-step", "buffers-updated-twice", "buffers-missed",
+                        "forward-changed", "inference",
                         "param-grads-wrong", "accumulation-lost", "second-order-lost",
                         "other")
 
@@ -329,7 +353,7 @@ def _model_state(failure: dict[str, Any], record: dict[str, Any] | None,
     lines = [line for line in _model_lines(failure, "model input: ")
              + _model_lines(failure, "model state: ") if torch_own or _telling(line)]
     op = failure.get("first_diverging_op")
-    if cause == "inputs-lost" and op:  # the state of the segment that computes another thing
+    if cause in ("inputs-lost", "dropout-skipped") and op:  # the segment computing another thing
         lines = [line for line in lines if f"{op['segment']}'s forward" in line]
     if not lines:
         return None
@@ -495,6 +519,22 @@ def _from_divergence(op: dict[str, Any]) -> tuple[str, str] | None:
         return "autocast-lost", (
             f"the recompute runs {where} in {dtype_b} where the forward ran it in {dtype_a}: "
             f"the autocast state (on or off, and its dtype) is not carried into the re-run")
+    drawn, redrawn = op.get("draws") or (0, 0)
+    if op.get("stale"):
+        return "saved-output-changed", (
+            f"the recompute takes outputs of the forward's ops from a store instead of "
+            f"computing them, and one had changed since it was saved: {op['stale']}; an "
+            f"in-place op wrote into it after it was saved (a scale, a mask, an in-place "
+            f"dropout), and the re-run reads the changed values: save a copy, or leave "
+            f"outputs that are later changed in place out of what is saved (torch's "
+            f"selective checkpoint raises on this)")
+    if redrawn < drawn and (shape_a != shape_b or forward != again):
+        return "dropout-skipped", (
+            f"the re-run of {op['segment']} runs {redrawn or 'no'} random op"
+            f"{'' if redrawn == 1 else 's'} where its forward ran {drawn} (dropout), and "
+            f"takes another path from {where} on: the recompute runs the segment with dropout "
+            f"off (in eval mode, or with its dropout disabled); carry the segment's training "
+            f"mode into the re-run")
     if shape_a != shape_b or forward != again:
         return "inputs-lost", (
             f"the re-run of {op['segment']} is not the same computation: at {where} the "
