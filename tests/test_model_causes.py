@@ -119,11 +119,12 @@ def test_a_watch_that_fails_leaves_the_search_as_it_was(monkeypatch: pytest.Monk
     """A state of a kind the watch cannot copy or compare turns the watch off; it never
     fails the model's forward, which would read as the implementation raising."""
     from gradequiv.harness.engine import localise as search
+    from gradequiv.harness.engine import model_watch
 
     def unreadable(*args: Any) -> None:
         raise TypeError("a state of a kind never seen")
 
-    monkeypatch.setattr(search, "_state", unreadable)
+    monkeypatch.setattr(model_watch, "_state", unreadable)
     found = search.localise(resolve(FAULTS + "no_rng_restore"), find_case("1L-layer-dropout"))
     assert found.divergence is not None and found.divergence.random, found.describe()
     assert found.model == ()

@@ -8,7 +8,10 @@ a stack of module names); the first recompute op whose output differs from
 its counterpart (another op, another dtype or shape, other values) is the
 divergence; a re-run that only leaves ops out (a selective policy's saved outputs) is
 compared with the forward ops it repeats. For a random op the share of elements that
-differ is the share of the dropout mask drawn differently.
+differ is the share of the dropout mask drawn differently. Beside it the divergence
+says how many random ops each run ran (a re-run with fewer runs with dropout off), and
+which re-run op, if any, read an output a forward op made that had changed since (a store
+serving the forward's outputs by reference after an in-place op wrote into one).
 
 It sees what the dispatcher sees, so it works for any implementation that
 re-runs the segment's modules eagerly (function and wrapper adapters). A
@@ -16,32 +19,25 @@ segment that is never re-run, or a compiled graph whose ops never reach
 Python dispatch, gets a reason instead of a guess.
 
 A re-run can also differ because the model is not safe to recompute, whatever
-the checkpoint: its forward changes what the re-run reads. So the search also
-watches each segment's own state at the start and end of each forward and at
-the start of each re-run (its buffers and plain attributes, Python's and
-NumPy's global generators and generators it holds), the arguments it is given
-(a tensor changed in place, a list or dict emptied), and random ops that draw
-from a ``torch.Generator`` of the model's own, which no checkpoint restores.
-What it finds is said in lines beside the divergence (``Localisation.model``),
-each beginning ``model state:``, ``model input:``, ``model random:`` or
-``model generator:``, the words ``reports/diagnosis.py`` reads them by.
+the checkpoint: its forward changes what the re-run reads. ``engine/model_watch.py``
+watches for that from the same hooks and dispatch mode; what it finds is said in lines
+beside the divergence (``Localisation.model``).
 """
 
 from __future__ import annotations
 
-import random
-import sys
 import weakref
-from collections.abc import Callable, Collection
+from collections.abc import Collection
 from dataclasses import asdict, dataclass, replace
 from typing import Any
 
 import torch
 from torch import Tensor, nn
 from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
-from torch.utils._pytree import tree_flatten, tree_leaves
+from torch.utils._pytree import tree_leaves
 
 from gradequiv.harness.engine.case import Case
+from gradequiv.harness.engine.model_watch import ModelWatch, same_values, tensor_key
 from gradequiv.harness.engine.path import build_path
 from gradequiv.harness.implementations.adapters import Implementation
 from gradequiv.models.segments import user_view
@@ -191,7 +187,7 @@ class _Tracker:
             self.handles.append(module.register_forward_pre_hook(self._enter(name, segments)))
             self.handles.append(module.register_forward_hook(self._leave(id(module), segments),
                                                              always_call=True))
-        self.watch = _ModelWatch(named)
+        self.watch = ModelWatch(named)
         for module, name in extra.items():
             self.handles += self.watch.hooks(self, module, name)
 
@@ -263,9 +259,9 @@ class _Made:
         tensor = next((t for t in tree_leaves(out) if isinstance(t, Tensor)), None)
         if tensor is None or not tracker.segment:
             return
-        entries = [e for e in self.by_storage.get(_ptr(tensor), []) if e[0]() is not None]
+        entries = [e for e in self.by_storage.get(tensor_key(tensor), []) if e[0]() is not None]
         entries.append((weakref.ref(tensor), tracker.segment[-1], len(ops) - 1, recorded))
-        self.by_storage[_ptr(tensor)] = entries
+        self.by_storage[tensor_key(tensor)] = entries
 
     def read(self, func: Any, given: Any, ops: list[_Op], tracker: _Tracker) -> None:
         """Before a re-run op: an argument the forward made, whose values changed since."""
@@ -273,13 +269,13 @@ class _Made:
         if segment in self.stale:
             return
         for tensor in (t for t in tree_leaves(given) if isinstance(t, Tensor)):
-            for ref, made_in, index, op in self.by_storage.get(_ptr(tensor), []):
+            for ref, made_in, index, op in self.by_storage.get(tensor_key(tensor), []):
                 original = ref()
                 if original is None or made_in != segment or not _same_layout(original, tensor) \
                         or op.value is None:
                     continue
                 with _disable_current_modes():
-                    if _equal(op.value, tensor.detach()):
+                    if same_values(op.value, tensor.detach()):
                         continue
                     share = float((op.value != tensor.detach()).float().mean())
                 name = str(func.overloadpacket.__name__)
@@ -294,341 +290,6 @@ class _Made:
 def _same_layout(a: Tensor, b: Tensor) -> bool:
     return (a.shape == b.shape and a.dtype == b.dtype and a.stride() == b.stride()
             and a.storage_offset() == b.storage_offset())
-
-
-class _ModelWatch:
-    """What a segment's forward changes that its re-run reads (see the module docstring)."""
-
-    def __init__(self, named: dict[str, nn.Module]) -> None:
-        self.names = {id(m): name for name, m in named.items()}
-        #: segment -> its state at the start of each forward run, at the end of each, and
-        #: at the start of each re-run
-        self.starts: dict[str, list[dict[str, tuple[str, Any]]]] = {}
-        self.ends: dict[str, list[dict[str, tuple[str, Any]]]] = {}
-        self.reruns: dict[str, list[dict[str, tuple[str, Any]]]] = {}
-        self.running: list[str] = []  # the segments running now, innermost last
-        self.watched: dict[int, str] = {}  # data_ptr -> a buffer's or an input's name
-        self.writers: dict[str, list[str]] = {}  # that name -> the ops that wrote it
-        self.read: set[int] = set()  # data_ptrs of buffers a re-run read
-        self.generators: dict[str, str] = {}  # a line per op drawing from a user's generator
-        self.inputs: dict[str, str] = {}  # a line per input a forward changed
-        #: per forward run now running: how many leaves its arguments had, and the version
-        #: of each tensor among them
-        self.arguments: list[tuple[int, list[tuple[Tensor, int]]]] = []
-        self.broken = False  # a step of the watch failed: it says nothing
-
-    def _soft(self, step: Callable[..., Any]) -> Callable[..., Any]:
-        """``step``, made to turn the watch off where it fails (on a kind of state it does
-        not know) instead of failing the model's forward, whose failure it is not."""
-        def run(*args: Any) -> Any:
-            if self.broken:
-                return None
-            try:
-                return step(*args)
-            except Exception:
-                self.broken = True
-                return None
-        return run
-
-    def hooks(self, tracker: _Tracker, module: nn.Module, segment: str) -> list[Any]:
-        """Hooks that see the segment's state before its own pre-hooks and after its hooks."""
-        prefix = self.names.get(id(module), segment)
-
-        def start(module: nn.Module, args: Any, kwargs: Any) -> None:
-            state = _state(module, prefix, self.names)
-            (self.reruns if tracker.backward else self.starts).setdefault(segment, []).append(
-                state)
-            self.running.append(segment)
-            if tracker.backward:
-                return
-            self.watched.update({value[0]: key for key, (kind, value) in state.items()
-                                 if kind == "buffer"})
-            leaves = [t for t in tree_leaves((args, kwargs)) if isinstance(t, Tensor)]
-            self.watched.update({_ptr(t): f"input {i} of {segment}"
-                                 for i, t in enumerate(leaves)})
-            self.arguments.append((tree_flatten((args, kwargs))[1].num_leaves,
-                                   [(t, t._version) for t in leaves]))
-
-        def end(module: nn.Module, args: Any, kwargs: Any, output: Any) -> None:
-            if self.running:
-                self.running.pop()
-            if tracker.backward or not self.arguments:
-                return
-            self.ends.setdefault(segment, []).append(_state(module, prefix, self.names))
-            count, versions = self.arguments.pop()
-            for i, (tensor, version) in enumerate(versions):
-                if tensor._version != version:
-                    label = f"input {i} of {segment}"
-                    ops = ", ".join(self.writers.get(label, [])) or "in place"
-                    self.inputs.setdefault(label, (
-                        f"model input: {label} was changed by {segment}'s forward ({ops}), "
-                        f"and its re-run read the changed input"))
-            now = tree_flatten((args, kwargs))[1].num_leaves
-            if now != count:
-                self.inputs.setdefault(segment, (
-                    f"model input: {segment}'s forward changed a list or dict it was given "
-                    f"(its arguments held {count} values before it, {now} after), and its "
-                    f"re-run was given what was left"))
-
-        return [module.register_forward_pre_hook(self._soft(start), prepend=True,
-                                                 with_kwargs=True),
-                module.register_forward_hook(self._soft(end), with_kwargs=True,
-                                             always_call=True)]
-
-    def before(self, func: Any, args: Any, kwargs: dict[str, Any],
-               tracker: _Tracker) -> list[tuple[str, Tensor, Tensor | None]]:
-        given: list[tuple[str, Tensor, Tensor | None]] | None = self._soft(self._before)(
-            func, args, kwargs, tracker)
-        return given or []
-
-    def after(self, func: Any, given: list[tuple[str, Tensor, Tensor | None]]) -> None:
-        self._soft(self._after)(func, given)
-
-    def _before(self, func: Any, args: Any, kwargs: dict[str, Any],
-                tracker: _Tracker) -> list[tuple[str, Tensor, Tensor | None]]:
-        """Before an op: note what a re-run reads and a user's generator drawn from; return
-        each watched tensor the op is given, with a copy, to see in :meth:`after` whether
-        it wrote it (batch norm's schema does not say that it updates its statistics)."""
-        if not self.running:
-            return []
-        leaves = [t for t in tree_leaves((args, kwargs))
-                  if isinstance(t, Tensor) and _ptr(t) in self.watched]
-        if tracker.backward:
-            self.read.update(_ptr(t) for t in leaves)
-            return []
-        generator = kwargs.get("generator")
-        if isinstance(generator, torch.Generator) and not _default(generator):
-            self._drawn(func, generator, tracker)
-        declared = {_ptr(t) for t in _written(func, args, kwargs)}
-        with _disable_current_modes():
-            return [(self.watched[_ptr(t)], t, None if _ptr(t) in declared else
-                     t.detach().clone()) for t in leaves]
-
-    def _after(self, func: Any, given: list[tuple[str, Tensor, Tensor | None]]) -> None:
-        """After an op: each watched tensor it wrote (its schema says so, or its values
-        changed) has the op among its writers."""
-        name = str(func.overloadpacket.__name__)
-        with _disable_current_modes():
-            for label, tensor, copy in given:
-                wrote = copy is None or not _equal(tensor, copy)
-                if wrote and name not in self.writers.setdefault(label, []):
-                    self.writers[label].append(name)
-
-    def _drawn(self, func: Any, generator: torch.Generator, tracker: _Tracker) -> None:
-        module = tracker.module_path() or self.running[-1]
-        held = next((key for key, (kind, value) in self.starts[self.running[-1]][-1].items()
-                     if kind == "generator" and _same_generator(value, generator)), "")
-        named = f" ({held})" if held else ""
-        name = str(func.overloadpacket.__name__)
-        self.generators.setdefault(f"{module} {name}", (
-            f"model generator: {module} draws {name} from a torch.Generator of the model's "
-            f"own{named}, not torch's default one, which no checkpoint restores"))
-
-    def findings(self) -> tuple[str, ...]:
-        """A line for each thing a re-run started from other than its forward did."""
-        found: tuple[str, ...] | None = self._soft(self._findings)()
-        return found or ()
-
-    def _findings(self) -> tuple[str, ...]:
-        lines = [*self.generators.values(), *self.inputs.values()]
-        unseen = []  # said last: what a re-run seen started from tells more
-        for segment, starts in self.starts.items():  # model order
-            reruns, ends = self.reruns.get(segment, []), self.ends.get(segment, [])
-            if not reruns and ends:  # a re-run past the hooks (a patched forward), if any
-                unseen += self._unseen(segment, starts[0], ends[-1])
-            if not reruns:
-                continue
-            rerun = reruns[0]
-            for key, (kind, value) in rerun.items():
-                before = [s[key] for s in starts if key in s]
-                if not before or any(_same(b, (kind, value)) for b in before):
-                    continue
-                changed = any(key in e and not _same(s[key], e[key])
-                              for s, e in zip(starts, ends) if key in s)
-                line = _finding(segment, key, kind, before[-1][1], value, changed,
-                                self.writers.get(key, []), self.read)
-                if line:
-                    lines.append(line)
-        said = list(dict.fromkeys(lines + unseen))
-        if len(said) > _MODEL_LINES:  # the same change in every layer says no more
-            said[_MODEL_LINES:] = [f"and {len(said) - _MODEL_LINES} more such changes"]
-        return tuple(said)
-
-    def _unseen(self, segment: str, start: dict[str, tuple[str, Any]],
-                end: dict[str, tuple[str, Any]]) -> list[str]:
-        """Lines for what ``segment``'s forward changed where no re-run of it was seen: a
-        re-run starts from where the forward left things, or later."""
-        lines = []
-        for key, (kind, value) in end.items():
-            if key not in start or _same(start[key], (kind, value)):
-                continue
-            if kind == "global random":
-                lines.append(f"model random: {segment}'s forward drew from {key} (its state "
-                             f"moved), and a re-run draws from where the forward left it")
-                continue
-            if kind == "random":
-                lines.append(f"model random: {key} (a generator of the model's) moved during "
-                             f"{segment}'s forward, and a re-run draws from where the forward "
-                             f"left it")
-                continue
-            ops = ", ".join(self.writers.get(key, []))
-            detail = {"buffer": f"a buffer, written by {ops}" if ops else "a buffer",
-                      "tensor": "a tensor attribute",
-                      "attribute": f"an attribute: {start[key][1]!r} before it, {value!r} after"
-                      }.get(kind, f"a {kind}: length {start[key][1]} before it, {value} after")
-            lines.append(f"model state: {key} ({detail}) was changed by {segment}'s forward, "
-                         f"which a re-run starts from (the re-run itself was not seen)")
-        return lines
-
-
-#: The most lines on the model's side a localisation says.
-_MODEL_LINES = 4
-
-#: The attributes every module has: its machinery, not the model's state.
-_MODULE_KEYS = frozenset(vars(nn.Module()))
-
-
-def _state(module: nn.Module, prefix: str, names: dict[int, str]) -> dict[str, tuple[str, Any]]:
-    """What a segment carries from one call to the next, name -> (kind, value): each buffer
-    and plain attribute of its modules, generators it holds, and the host's global ones."""
-    state: dict[str, tuple[str, Any]] = {}
-    # the copies are the search's, no op of the model's: no mode may see them
-    with torch._C.DisableTorchFunction(), _disable_current_modes():
-        for path, sub in module.named_modules(prefix=prefix):
-            path = names.get(id(sub), path)
-            for key, buffer in sub._buffers.items():
-                if buffer is not None:
-                    state[f"{path}.{key}"] = ("buffer", (_ptr(buffer), buffer.detach().clone()))
-            for key, value in vars(sub).items():
-                kept = None if key in _MODULE_KEYS else _kept(value)
-                if kept is not None:
-                    state[f"{path}.{key}"] = kept
-    state["Python's random"] = ("global random", random.getstate())
-    numpy = sys.modules.get("numpy")  # only a model that imported NumPy draws from it
-    if numpy is not None:
-        state["NumPy's random"] = ("global random", _plain(numpy.random.get_state()))
-    return state
-
-
-def _kept(value: Any) -> tuple[str, Any] | None:
-    """(kind, what to compare) of an attribute worth watching; None for the rest."""
-    if isinstance(value, bool | int | float | str):
-        return "attribute", value
-    if isinstance(value, list | tuple | dict | set):
-        return type(value).__name__, len(value)
-    if isinstance(value, Tensor):
-        return "tensor", (0, value.detach().clone())
-    if isinstance(value, torch.Generator):
-        return "generator", value  # its draws are seen by op (an identity, not a state)
-    if isinstance(value, random.Random) and not isinstance(value, random.SystemRandom):
-        return "random", value.getstate()  # the system's has no state to take
-    if type(value).__module__.startswith("numpy.random"):
-        state = getattr(getattr(value, "bit_generator", None), "state", None)
-        if state is None and hasattr(value, "get_state"):
-            state = value.get_state()
-        return ("random", _plain(state)) if state is not None else None
-    return None
-
-
-def _plain(value: Any) -> Any:
-    """A generator's state, comparable with ``==`` (arrays as bytes)."""
-    if isinstance(value, dict):
-        return tuple((k, _plain(v)) for k, v in value.items())
-    if isinstance(value, list | tuple):
-        return tuple(_plain(v) for v in value)
-    return value.tobytes() if hasattr(value, "tobytes") else value
-
-
-def _same(a: tuple[str, Any], b: tuple[str, Any]) -> bool:
-    if a[0] != b[0]:
-        return False
-    if a[0] in ("buffer", "tensor"):
-        return _equal(a[1][1], b[1][1])
-    if a[0] == "generator":
-        return True
-    return bool(a[1] == b[1])
-
-
-def _finding(segment: str, key: str, kind: str, before: Any, after: Any, changed: bool,
-             writers: list[str], read: set[int]) -> str:
-    """The line for state ``key`` that a re-run of ``segment`` started from changed."""
-    by = f"by {segment}'s forward" if changed else f"after {segment}'s forward"
-    if kind == "global random":
-        if not changed:  # the segment does not draw from it
-            return ""
-        return (f"model random: {segment}'s forward drew from {key} (its state moved), and "
-                f"its re-run drew from where the forward left it")
-    if kind == "random":
-        if not changed:
-            return ""
-        return (f"model random: {key} (a generator of the model's) moved during {segment}'s "
-                f"forward, and its re-run drew from where the forward left it")
-    if kind == "buffer":
-        if before[0] not in read and after[0] not in read:  # a re-run that skips it (a guard)
-            return ""
-        ops = f", written by {', '.join(writers)}" if writers else ""
-        return (f"model state: {key} (a buffer{ops}) was changed {by}, and its re-run read "
-                f"the changed value")
-    if kind == "tensor":
-        return (f"model state: {key} (a tensor attribute) was changed {by}, and its re-run "
-                f"started from the changed value")
-    if kind == "attribute":
-        return (f"model state: {key} (an attribute: {before!r} at the forward, {after!r} at "
-                f"the re-run) was changed {by}")
-    return (f"model state: {key} (a {kind}: length {before} at the forward, {after} at the "
-            f"re-run) was changed {by}")
-
-
-def _equal(a: Tensor, b: Tensor) -> bool:
-    """Bitwise equal, NaN where NaN was (an op that writes nothing leaves a NaN a NaN)."""
-    if a.shape != b.shape or a.dtype != b.dtype:
-        return False
-    if a.is_floating_point() or a.is_complex():
-        return bool(torch.equal(a.isnan(), b.isnan())
-                    and torch.equal(a.nan_to_num(0.0), b.nan_to_num(0.0)))
-    return bool(torch.equal(a, b))
-
-
-def _written(func: Any, args: Any, kwargs: dict[str, Any]) -> list[Tensor]:
-    """The tensors an op's schema says it writes into (``add_``'s self)."""
-    schema = getattr(func, "_schema", None)
-    written = []
-    for i, argument in enumerate(schema.arguments if schema is not None else []):
-        if argument.alias_info is not None and argument.alias_info.is_write:
-            value = args[i] if i < len(args) else kwargs.get(argument.name)
-            if isinstance(value, Tensor):
-                written.append(value)
-    return written
-
-
-def _default(generator: torch.Generator) -> bool:
-    """Whether ``generator`` is one of torch's default ones, which checkpoints restore."""
-    defaults = [torch.default_generator]
-    if generator.device.type == "cuda" and torch.cuda.is_available():
-        defaults += list(torch.cuda.default_generators)
-    return any(_same_generator(generator, d) for d in defaults)
-
-
-def _same_generator(a: torch.Generator, b: torch.Generator) -> bool:
-    """Whether two generator objects are one generator. A generator handed to an op is a new
-    Python object each time, so where device and state agree, ``a`` is reseeded for a moment
-    (and put back) to see whether ``b`` moves with it."""
-    if a is b:
-        return True
-    state = a.get_state()
-    if a.device != b.device or not torch.equal(state, b.get_state()):
-        return False
-    a.manual_seed((a.initial_seed() + 1) % 2**63)
-    moved = not torch.equal(b.get_state(), state)
-    a.set_state(state)
-    return moved
-
-
-def _ptr(tensor: Tensor) -> int:
-    try:
-        return int(tensor.untyped_storage().data_ptr())
-    except (RuntimeError, NotImplementedError):  # no storage (a subclass, a sparse tensor)
-        return -id(tensor)
 
 
 def localise(impl: Implementation, case: Case, device: str | torch.device = "cpu") -> Localisation:
