@@ -4,6 +4,7 @@ fault library flipped together, on a case that exposes both."""
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any
 
 import pytest
@@ -15,11 +16,15 @@ from gradequiv.harness.implementations.adapters import Implementation
 from gradequiv.harness.implementations.faults import Faults, checkpoint_with_faults
 from gradequiv.harness.reports.diagnosis import Diagnosis, diagnose
 from gradequiv.harness.reports.report import verdict_record
-from gradequiv.models import BatchConfig, BatchNormConfig
+from gradequiv.models import BatchConfig, BatchNormConfig, TransformerConfig
 from gradequiv.properties.assertions import locate
 
 _BATCHNORM_BF16 = Case(model=BatchNormConfig(n_layer=2, width=16), batch=BatchConfig(4, 1),
                        dtype="bf16-autocast")
+_BATCHNORM_BF16_INFERENCE = replace(_BATCHNORM_BF16, inference=True)
+_INPLACE_DROPOUT = Case(model=TransformerConfig(
+    n_layer=2, n_embd=16, n_head=2, max_seq_len=16, inplace_ops=True, attention="manual",
+    attn_dropout=0.1, resid_dropout=0.1, mlp_dropout=0.1), batch=BatchConfig(4, 8))
 
 
 def _diagnosed(switches: tuple[str, ...], case: Case) -> Diagnosis:
@@ -54,6 +59,12 @@ def _diagnosed(switches: tuple[str, ...], case: Case) -> Diagnosis:
     # a stream left rewound, with autocast lost besides
     (("caller_stream_moved", "autocast_lost"), "2L-layer-bf16-dropout",
      {"autocast-lost", "rng-stream-moved"}),
+    # a store handing back an output changed in place, and the re-run's masks drawn anew
+    (("matmul_outputs_cached", "no_rng_restore", "caller_stream_moved"), _INPLACE_DROPOUT,
+     {"saved-output-changed", "rng-not-restored"}),
+    # statistics left to the re-run (behind full storage's after no_grad forwards)
+    (("bn_stats_in_recompute_only", "autocast_lost"), _BATCHNORM_BF16_INFERENCE,
+     {"autocast-lost", "buffers-missed"}),
 ])
 def test_both_faults_of_a_pair_are_named(switches: tuple[str, ...], case: str | Case,
                                          causes: set[str]) -> None:
