@@ -55,6 +55,14 @@ def diagnosed(spec: str | Implementation, name: str | Case) -> tuple[str, str, d
     # the counter is behind, not ahead: only the re-run updates it
     (FAULTS + "bn_stats_in_recompute_only", CASES["batchnorm-inference"], "buffers-missed",
      "num_batches_tracked is 1 on the recompute path, 2 with full storage"),
+    # the re-run's ops before it raised say why it raised
+    ("wrong_impls:autocast_lost_in_rerun", "2L-layer-bf16-nodropout", "autocast-lost",
+     "the re-run then raised: torch.utils.checkpoint.CheckpointError: torch.utils.checkpoint: "
+     "Recomputed values for the following tensors have different metadata"),
+    # a selective store leaves the saved matmuls out of the re-run: compared with the
+    # forward ops it repeats, the first that differs is a dropout mask drawn anew
+    (resolve("torch-sac", kwargs={"preserve_rng_state": False}), "2L-layer-manual-attn",
+     "rng-not-restored", "bernoulli_ in blocks.0.attn.attn_dropout"),
     (FAULTS + "dropout_off", "2L-layer-manual-attn", "dropout-skipped",
      "runs no random ops where its forward ran"),
     (FAULTS + "matmul_outputs_cached", CASES["inplace-manual"], "saved-output-changed",
@@ -69,8 +77,8 @@ def diagnosed(spec: str | Implementation, name: str | Case) -> tuple[str, str, d
     (FAULTS + "recomputed_held_to_backward_end", "2L-layer-manual-attn", "recomputed-held",
      "backward's peak"),
 ])
-def test_each_fault_is_diagnosed_by_its_cause(spec: str, case: str | Case, cause: str,
-                                              words: str) -> None:
+def test_each_fault_is_diagnosed_by_its_cause(spec: str | Implementation, case: str | Case,
+                                              cause: str, words: str) -> None:
     found, sentence, _ = diagnosed(spec, case)
     assert found == cause, sentence
     assert words in sentence
@@ -234,3 +242,17 @@ def test_a_sentence_claims_matching_ops_only_where_they_were_compared() -> None:
     assert "no recomputed op was seen to differ" in diagnose(unseen, record).sentence
     seen = _failure("gradients", localisation="every recomputed op of step 1 matched")
     assert "the recomputed ops match" in diagnose(seen, record).sentence
+
+
+def test_the_exception_line_is_the_one_naming_what_was_raised() -> None:
+    """torch's checkpoint ends its error with tips; the line a user needs names the error."""
+    from gradequiv.harness.errors import exception_line
+
+    torch_s = ("Traceback (most recent call last):\n  File \"x.py\", line 1\n"
+               "torch.utils.checkpoint.CheckpointError: torch.utils.checkpoint: Recomputed "
+               "values differ.\ntensor at position 3:\n\nTip: pass `debug=True`\n"
+               "workaround examples.\n")
+    assert exception_line(torch_s).startswith("torch.utils.checkpoint.CheckpointError: ")
+    assert exception_line("Traceback ...\nValueError: boom\n") == "ValueError: boom"
+    assert exception_line("Traceback ...\nKeyboardInterrupt\n") == "KeyboardInterrupt"
+    assert exception_line("no exception named here\nlast words") == "last words"

@@ -94,6 +94,18 @@ def test_deepspeed_nonreentrant_raises_under_autocast() -> None:
     assert verdict.error_at == "step 1 backward"
 
 
+def test_deepspeed_nonreentrant_s_raise_is_named_by_the_autocast_its_re_run_lost() -> None:
+    """Its re-run runs the first matmul in float32 and then mixes dtypes: the ops it ran
+    before it raised say why."""
+    from test_diagnosis import diagnosed
+
+    needs("deepspeed")
+    cause, sentence, _ = diagnosed("deepspeed-nonreentrant", "2L-layer-bf16-nodropout")
+    assert cause == "autocast-lost", sentence
+    assert "the re-run then raised: RuntimeError: expected m1 and m2 to have the same dtype" \
+        in sentence
+
+
 def test_megatron_needs_cuda_and_says_why() -> None:
     needs("megatron.core")
     if torch.cuda.is_available():

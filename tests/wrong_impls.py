@@ -118,6 +118,20 @@ def selective_drops_kwargs(fn: Any, *args: Any, **kwargs: Any) -> Any:
     return _checkpoint(run, *args, context_fn=contexts)
 
 
+def autocast_lost_in_rerun(fn: Any, *args: Any, **kwargs: Any) -> Any:
+    """torch's checkpoint with the re-run out of autocast: its check of the recomputed
+    tensors raises in backward, with a message that ends in tips, not in the error."""
+    first = itertools.count()
+
+    def run(*a: Any, **k: Any) -> Any:
+        if next(first) == 0:
+            return fn(*a, **k)
+        with torch.autocast("cpu", enabled=False):
+            return fn(*a, **k)
+
+    return _checkpoint(run, *args, **kwargs)
+
+
 def interrupts(fn: Any, *args: Any, **kwargs: Any) -> Any:
     """Stands for a Ctrl-C in the middle of a run."""
     raise KeyboardInterrupt

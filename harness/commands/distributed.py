@@ -36,7 +36,7 @@ from torch.multiprocessing.spawn import (
 from gradequiv.harness.engine.case import Case
 from gradequiv.harness.engine.compare import Tolerance, measure_pairs
 from gradequiv.harness.engine.path import prepare
-from gradequiv.harness.errors import InvalidArgument
+from gradequiv.harness.errors import InvalidArgument, exception_line
 from gradequiv.harness.implementations.adapters import Implementation
 from gradequiv.models.kinds import TRANSFORMER
 
@@ -57,7 +57,7 @@ class DistributedVerdict:
 
     @property
     def first_failure(self) -> str:
-        return self.error.strip().splitlines()[-1] if self.error else (
+        return exception_line(self.error) if self.error else (
             self.failures[0] if self.failures else "")
 
 

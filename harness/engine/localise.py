@@ -16,7 +16,8 @@ serving the forward's outputs by reference after an in-place op wrote into one).
 It sees what the dispatcher sees, so it works for any implementation that
 re-runs the segment's modules eagerly (function and wrapper adapters). A
 segment that is never re-run, or a compiled graph whose ops never reach
-Python dispatch, gets a reason instead of a guess.
+Python dispatch, gets a reason instead of a guess. A re-run that raises is compared up
+to where it raised: what it ran differently before (another dtype) says why.
 
 A re-run can also differ because the model is not safe to recompute, whatever
 the checkpoint: its forward changes what the re-run reads. ``engine/model_watch.py``
@@ -26,7 +27,6 @@ beside the divergence (``Localisation.model``).
 
 from __future__ import annotations
 
-import weakref
 from collections.abc import Collection
 from dataclasses import asdict, dataclass, replace
 from typing import Any
@@ -112,7 +112,7 @@ class Divergence:
 @dataclass(frozen=True)
 class Localisation:
     divergence: Divergence | None
-    reason: str = ""  # why there is no divergence to show
+    reason: str = ""  # why there is no divergence to show; or that the run then raised
     matched: bool = False  # every recomputed op was compared and matched its original
     #: what the model changed that its re-runs read: see the module docstring
     model: tuple[str, ...] = ()
@@ -120,8 +120,9 @@ class Localisation:
     def describe(self) -> str:
         if self.divergence is not None:
             stale = [f"stale read: {self.divergence.stale}"] if self.divergence.stale else []
+            then = [f"then {self.reason}"] if self.reason else []
             return "; ".join([f"first diverging op: {self.divergence.describe()}", *stale,
-                              *self.model])
+                              *then, *self.model])
         return "; ".join([f"no diverging op found: {self.reason}", *self.model])
 
 
@@ -197,6 +198,9 @@ class _Tracker:
             if id(module) in segments:
                 self.implicit = None
                 self.segment.append(segments[id(module)])
+                if self.backward:
+                    self.made.inputs = {tensor_key(t) for t in tree_leaves(args)
+                                        if isinstance(t, Tensor)}
                 phase = "recompute" if self.backward else "forward"
                 self.ops.setdefault((segments[id(module)], phase), []).append([])
             elif self.backward and not self.segment and torch.is_grad_enabled():
@@ -243,25 +247,31 @@ class _Tracker:
 
 
 class _Made:
-    """Which forward op of which segment made each tensor still alive, to see a re-run read
-    one of them changed since: a store that serves the forward's outputs by reference (a
-    selective policy's cache) after an in-place op wrote into one. A tensor is found by its
-    storage and layout; an entry counts only while the forward's tensor is alive, so that
-    its storage is nobody else's."""
+    """Which forward op of which segment made each tensor, to see a re-run read one: a store
+    that serves the forward's outputs (a selective policy's cache), and one of them changed
+    since the op made it (an in-place op wrote into it after it was saved). A tensor is
+    found by its storage and layout; each forward output's storage is kept (an alias of it)
+    until the search ends, so no later tensor is given its address."""
 
     def __init__(self) -> None:
-        #: storage -> (the forward's tensor, segment, its op's position in its run, the op)
-        self.by_storage: dict[int, list[tuple[weakref.ref[Tensor], str, int, _Op]]] = {}
+        #: storage -> (an alias of the forward's tensor, segment, its op's position in its
+        #: run, the op)
+        self.by_storage: dict[int, list[tuple[Tensor, str, int, _Op]]] = {}
         self.stale: dict[str, str] = {}  # segment -> its first stale read
+        #: segments whose re-run read an output a forward op of theirs made (not an input
+        #: of the re-run: a layer applied twice is given its own output)
+        self.served: set[str] = set()
+        self.inputs: set[int] = set()  # the storages of the re-run now running's inputs
 
     def made(self, recorded: _Op, out: Any, ops: list[_Op], tracker: _Tracker) -> None:
         """After a recorded forward op of a segment: its first output's maker."""
         tensor = next((t for t in tree_leaves(out) if isinstance(t, Tensor)), None)
         if tensor is None or not tracker.segment:
             return
-        entries = [e for e in self.by_storage.get(tensor_key(tensor), []) if e[0]() is not None]
-        entries.append((weakref.ref(tensor), tracker.segment[-1], len(ops) - 1, recorded))
-        self.by_storage[tensor_key(tensor)] = entries
+        with _disable_current_modes():
+            alias = tensor.detach()
+        self.by_storage.setdefault(tensor_key(tensor), []).append(
+            (alias, tracker.segment[-1], len(ops) - 1, recorded))
 
     def read(self, func: Any, given: Any, ops: list[_Op], tracker: _Tracker) -> None:
         """Before a re-run op: an argument the forward made, whose values changed since."""
@@ -269,11 +279,12 @@ class _Made:
         if segment in self.stale:
             return
         for tensor in (t for t in tree_leaves(given) if isinstance(t, Tensor)):
-            for ref, made_in, index, op in self.by_storage.get(tensor_key(tensor), []):
-                original = ref()
-                if original is None or made_in != segment or not _same_layout(original, tensor) \
-                        or op.value is None:
+            if tensor_key(tensor) in self.inputs:
+                continue
+            for original, made_in, index, op in self.by_storage.get(tensor_key(tensor), []):
+                if made_in != segment or not _same_layout(original, tensor) or op.value is None:
                     continue
+                self.served.add(segment)
                 with _disable_current_modes():
                     if same_values(op.value, tensor.detach()):
                         continue
@@ -319,32 +330,42 @@ def localise(impl: Implementation, case: Case, device: str | torch.device = "cpu
         with _Recorder(tracker):
             loss.backward()  # type: ignore[no-untyped-call]  # untyped in torch
     except (Exception, SystemExit) as exc:  # sys.exit in the implementation: its failure too
-        return Localisation(None, f"the implementation raised ({type(exc).__name__}: {exc})",
-                            model=tracker.watch.findings())
+        raised = f"the implementation raised ({type(exc).__name__}: {exc})"
+        # a re-run that parted from its forward before it raised (a lost autocast mixing
+        # dtypes) is told by the ops it ran
+        found = _search(tracker, segments) if tracker.backward else None
+        return Localisation(found, raised, model=tracker.watch.findings())
     finally:
         tracker.remove()
     model = tracker.watch.findings()
-    recomputed = [s.name for s in segments if (s.name, "recompute") in tracker.ops]
-    if not recomputed:
+    if not any((s.name, "recompute") in tracker.ops for s in segments):
         return Localisation(None, "no segment ran again during backward (nothing was "
                                   "recomputed, or it ran where Python dispatch cannot see it, "
                                   "as in a compiled graph)", model=model)
-    for name in recomputed:  # model order: the earliest layer that goes wrong
-        divergence = _compare_runs(name, tracker.ops.get((name, "forward"), []),
-                                   tracker.ops[(name, "recompute")],
-                                   tracker.partial if name in tracker.hooked else (),
-                                   tracker.partial)
-        if divergence is not None:
-            stale = tracker.made.stale.get(name, "")
-            return Localisation(replace(divergence, stale=stale), model=model)
+    found = _search(tracker, segments)
+    if found is not None:
+        return Localisation(found, model=model)
     return Localisation(None, "every recomputed op of step 1 matched its original in value, "
                               "dtype and shape (the fault lies outside the re-run segments' "
                               "ops of step 1)", matched=True, model=model)
 
 
+def _search(tracker: _Tracker, segments: list[Any]) -> Divergence | None:
+    """The first divergence among the recorded re-runs, in model order (the earliest layer
+    that goes wrong)."""
+    for name in (s.name for s in segments if (s.name, "recompute") in tracker.ops):
+        divergence = _compare_runs(name, tracker.ops.get((name, "forward"), []),
+                                   tracker.ops[(name, "recompute")],
+                                   tracker.partial if name in tracker.hooked else (),
+                                   tracker.partial, served=name in tracker.made.served)
+        if divergence is not None:
+            return replace(divergence, stale=tracker.made.stale.get(name, ""))
+    return None
+
+
 def _compare_runs(segment: str, forward: list[list[_Op]], again: list[list[_Op]],
-                  past_hooks: Collection[int] = (),
-                  partial: Collection[int] = ()) -> Divergence | None:
+                  past_hooks: Collection[int] = (), partial: Collection[int] = (),
+                  served: bool = False) -> Divergence | None:
     """Each recomputed run against the forward run it repeats: one that matches it op for
     op wherever there is one (a recompute may run a segment's applications in any order),
     else the forward run in the reverse order (backward meets the last application first);
@@ -352,11 +373,12 @@ def _compare_runs(segment: str, forward: list[list[_Op]], again: list[list[_Op]]
     (``partial``: a re-run through the bound forward) starts at its first submodule's first
     op: the forward's ops before that one are left out of its comparison; where the
     segment has hooks of its own (``past_hooks``), its divergence says the re-run went
-    past them."""
+    past them. A re-run ``served`` outputs of the forward's ops (a selective store) is
+    compared with the forward ops it repeats."""
     for index, run in enumerate(again):
         compared = [_from_first(f, run[0]) for f in forward] \
             if id(run) in partial and run else forward
-        differences = [_first_difference(segment, f, run) for f in compared]
+        differences = [_first_difference(segment, f, run, served) for f in compared]
         if not differences or any(d is None for d in differences):
             continue
         which = len(forward) - 1 - index if index < len(forward) else 0
@@ -379,16 +401,21 @@ def _from_first(ops: list[_Op], first: _Op) -> list[_Op]:
     return ops[start:]
 
 
-def _first_difference(segment: str, forward: list[_Op], again: list[_Op]) -> Divergence | None:
+def _first_difference(segment: str, forward: list[_Op], again: list[_Op],
+                      served: bool = False) -> Divergence | None:
     """The first recomputed op that differs from its original, op for op. A re-run that
     only leaves ops out, each op it runs giving what the forward op it repeats gave, is a
-    selective policy serving the ops it saved from its cache: no difference. Otherwise
-    (an op the forward never ran there, another dtype, shape or value) the first op where
-    the two sequences part is the divergence."""
+    selective policy serving the ops it saved from its cache: no difference. Where the
+    re-run read outputs the forward made (``served``: such a store), the first op that
+    differs from the forward op it repeats is the divergence. Otherwise (an op the forward
+    never ran there, another dtype, shape or value) the first op where the two sequences
+    part is the divergence."""
     found = _first_of(segment, list(enumerate(zip(forward, again))))
     if found is None or found.forward == found.recompute or found.rel_error is not None:
         return found
     aligned = _subsequence(forward, again)
+    if served and aligned is not None:
+        return _first_of(segment, aligned)
     return found if aligned is None or _first_of(segment, aligned) is not None else None
 
 

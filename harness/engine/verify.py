@@ -52,6 +52,7 @@ from gradequiv.harness.engine import global_state
 from gradequiv.harness.engine.case import Case
 from gradequiv.harness.engine.compare import DTYPE_CAPS, Tolerance, measure_pairs
 from gradequiv.harness.engine.runner import PathRun, StepRecord, run_path
+from gradequiv.harness.errors import exception_line
 from gradequiv.harness.implementations.adapters import Implementation
 from gradequiv.harness.implementations.compiled import FLOOR, REFERENCE, CompileSpec
 from gradequiv.harness.implementations.resolve import resolve
@@ -157,7 +158,7 @@ class Verdict:
     def first_failure(self) -> str:
         """One line saying what failed first, for terminals and reports."""
         if self.error is not None:
-            last = self.error.strip().splitlines()[-1]
+            last = exception_line(self.error)
             said = f"the implementation raised during {self.error_at}: {last}"
             # A global switch it left changed (rng) is still checked, and may be the cause.
             failed = [p for p in self.properties if p.passed is False]

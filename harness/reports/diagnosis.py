@@ -28,6 +28,7 @@ import shlex
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from gradequiv.harness.errors import exception_line
 from gradequiv.harness.implementations.resolve import BUILTINS
 
 __all__ = ["CAUSES", "Diagnosis", "diagnose"]
@@ -167,7 +168,7 @@ def _cause(failure: dict[str, Any], record: dict[str, Any] | None,
     if prop == "process":
         return "process", f"the implementation ended or stalled the process: {failure['message']}"
     if record is not None and record.get("error"):
-        last = record["error"].strip().splitlines()[-1]
+        last = exception_line(record["error"])
         if _refuses_autograd_grad(last):
             return "refuses-autograd-grad", (
                 f"the implementation refuses torch.autograd.grad ({last}); if that is by "
@@ -178,6 +179,10 @@ def _cause(failure: dict[str, Any], record: dict[str, Any] | None,
             found = _model_draws(failure, raised=last)
             if found is not None:
                 return found
+            op = failure.get("first_diverging_op")
+            found = _from_divergence(op) if op else None
+            if found is not None:  # the re-run parted from its forward before it raised
+                return found[0], f"{found[1]}; the re-run then raised: {last}"
         return "raised", (f"the implementation raised during {record.get('error_at') or 'the run'}"
                           f": {last}")
     texts = {name: _texts(record, name) for name in failing}
@@ -360,7 +365,7 @@ def _model_state(failure: dict[str, Any], record: dict[str, Any] | None,
     if cause == "raised":
         if "backward" not in ((record or {}).get("error_at") or ""):
             return None
-        raised = (record or {}).get("error", "").strip().splitlines()[-1]
+        raised = exception_line((record or {}).get("error", ""))
         return "model-rerun-raised", _model_sentence(failure, "model-rerun-raised", lines[0],
                                                       raised)
     return "model-state-changed", _model_sentence(failure, "model-state-changed", lines[0])
