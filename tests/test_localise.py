@@ -4,6 +4,7 @@ with the random ops each run drew and a re-run's read of a saved output changed 
 from __future__ import annotations
 
 import pytest
+import torch
 from test_fault_library import CASES
 
 from gradequiv.harness import Implementation, find_case, resolve
@@ -90,3 +91,14 @@ def test_an_implementation_that_raises_or_exits_is_a_finding_not_a_crash(
     included) is said, never let through to crash the run."""
     found = localise(resolve(spec, adapter=adapter), find_case("1L-layer-dropout"))
     assert found.divergence is None and "the implementation raised" in found.describe()
+
+
+def test_a_masked_op_s_error_is_read_over_its_finite_elements_and_never_nan() -> None:
+    """Attention scores masked with -inf: inf - inf is nan, which report.json cannot hold."""
+    from gradequiv.harness.engine.localise import _rel_error
+
+    a = torch.tensor([1.0, float("-inf"), 2.0])
+    b = torch.tensor([1.0, float("-inf"), 2.5])
+    assert _rel_error(a, b) == pytest.approx(0.5 / torch.tensor([1.0, 2.5]).norm().item())
+    assert _rel_error(a, torch.tensor([1.0, 0.0, 2.0])) is None  # the mask itself differs
+    assert _rel_error(a, a.clone()) == 0.0

@@ -451,8 +451,14 @@ def _first_of(segment: str, pairs: list[tuple[int, tuple[_Op, _Op]]]) -> Diverge
 
 
 def _rel_error(a: Tensor | None, b: Tensor | None) -> float | None:
+    """||a - b|| / max(||a||, ||b||) over the finite elements (a mask's -inf is the same in
+    both runs or not: then None, as for values that cannot be compared)."""
     if a is None or b is None or a.shape != b.shape or not a.is_floating_point():
         return None
     a64, b64 = a.double(), b.to(a.device).double()
+    finite = a64.isfinite() & b64.isfinite()
+    if not torch.equal(a64[~finite].nan_to_num(), b64[~finite].nan_to_num()):
+        return None
+    a64, b64 = a64[finite], b64[finite]
     scale = max(float(a64.norm()), float(b64.norm()))
     return float((a64 - b64).norm()) / scale if scale > 0 else 0.0
