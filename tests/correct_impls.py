@@ -1,7 +1,8 @@
 """Correct implementations that real libraries and users write, each doing something the
 harness must not read as a fault: a buffer pool allocated once, tensors a library makes
 when its code first runs, a selective policy given through ``context_fn`` without any
-marker, a reentrant checkpoint that declares what it refuses. Referenced by SPEC
+marker, a store that saves copies of matmul outputs (so in-place ops cannot reach them), a
+reentrant checkpoint that declares what it refuses. Referenced by SPEC
 (``correct_impls:NAME``); pytest puts this folder on sys.path.
 
 Each is bitwise equal to full storage on the CPU; ``reset()`` drops what the first call
@@ -14,6 +15,7 @@ import functools
 from typing import Any
 
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.checkpoint import (
     CheckpointPolicy,
     checkpoint,
@@ -91,6 +93,39 @@ def user_matmul_policy_checkpoint(function: Any, *args: Any, **kwargs: Any) -> A
         [torch.ops.aten.mm.default, torch.ops.aten.addmm.default,
          torch.ops.aten.bmm.default])
     return checkpoint(function, *args, use_reentrant=False, context_fn=contexts, **kwargs)
+
+
+_MATMULS = (torch.ops.aten.mm.default, torch.ops.aten.addmm.default, torch.ops.aten.bmm.default)
+
+
+class _CopyStore(TorchDispatchMode):  # type: ignore[no-untyped-call]  # untyped in torch
+    """A user's own selective store: the forward saves a copy of each matmul output, the
+    re-run takes them back in order instead of computing them. The copy is what keeps it
+    right where an in-place op later writes into the output (torch's SAC raises there)."""
+
+    def __init__(self, store: list[torch.Tensor], *, replay: bool) -> None:
+        super().__init__()  # type: ignore[no-untyped-call]
+        self.store, self.replay = store, replay
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (),
+                           kwargs: Any = None) -> Any:
+        if func in _MATMULS and self.replay and self.store:
+            return self.store.pop(0)
+        out = func(*args, **(kwargs or {}))
+        if func in _MATMULS and not self.replay:
+            self.store.append(out.clone())
+        return out
+
+
+def _copy_store_contexts() -> tuple[_CopyStore, _CopyStore]:
+    store: list[torch.Tensor] = []
+    return _CopyStore(store, replay=False), _CopyStore(store, replay=True)
+
+
+def copying_matmul_store(function: Any, *args: Any, **kwargs: Any) -> Any:
+    """torch's checkpoint with a store of copied matmul outputs through ``context_fn``."""
+    return checkpoint(function, *args, use_reentrant=False, context_fn=_copy_store_contexts,
+                      determinism_check="none", **kwargs)
 
 
 def declared_reentrant_checkpoint(function: Any, *args: Any, **kwargs: Any) -> Any:

@@ -63,6 +63,9 @@ def diagnosed(spec: str | Implementation, name: str | Case) -> tuple[str, str, d
     # forward ops it repeats, the first that differs is a dropout mask drawn anew
     (resolve("torch-sac", kwargs={"preserve_rng_state": False}), "2L-layer-manual-attn",
      "rng-not-restored", "bernoulli_ in blocks.0.attn.attn_dropout"),
+    # the same through a store of copies: a copy of a forward output is that output still
+    ("wrong_impls:copying_store_no_rng_restore", "2L-layer-manual-attn", "rng-not-restored",
+     "bernoulli_ in blocks.0.attn.attn_dropout"),
     (FAULTS + "dropout_off", "2L-layer-manual-attn", "dropout-skipped",
      "runs no random ops where its forward ran"),
     (FAULTS + "matmul_outputs_cached", CASES["inplace-manual"], "saved-output-changed",

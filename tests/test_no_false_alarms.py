@@ -41,10 +41,19 @@ def test_the_pool_is_not_counted_as_held_by_the_segments() -> None:
 
 
 @pytest.mark.parametrize("name", CASES)
-@pytest.mark.parametrize("spec", ["user_selective_checkpoint", "user_matmul_policy_checkpoint"])
+@pytest.mark.parametrize("spec", ["user_selective_checkpoint", "user_matmul_policy_checkpoint",
+                                  "copying_matmul_store"])
 def test_a_users_selective_policy_passes_without_a_marker(spec: str, name: str) -> None:
     verdict = verify(f"correct_impls:{spec}", find_case(name))
     assert verdict.passed, verdict.first_failure
+
+
+def test_a_store_of_copies_passes_where_in_place_ops_write_into_its_outputs() -> None:
+    """Where torch's SAC refuses (an in-place op on a saved output), a store that saved
+    copies is right: no fault, no false alarm."""
+    verdict = verify("correct_impls:copying_matmul_store", find_case(INPLACE))
+    assert verdict.passed and verdict.error is None, verdict.first_failure
+    assert all(p.passed is not None for p in verdict.properties if p.name != "inference")
 
 
 #: where saving every matmul output holds more than full storage: a tiny attention segment

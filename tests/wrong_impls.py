@@ -118,6 +118,13 @@ def selective_drops_kwargs(fn: Any, *args: Any, **kwargs: Any) -> Any:
     return _checkpoint(run, *args, context_fn=contexts)
 
 
+def copying_store_no_rng_restore(fn: Any, *args: Any, **kwargs: Any) -> Any:
+    """correct_impls' copying matmul store, with the RNG state not restored."""
+    from correct_impls import copying_matmul_store
+
+    return copying_matmul_store(fn, *args, preserve_rng_state=False, **kwargs)
+
+
 def autocast_lost_in_rerun(fn: Any, *args: Any, **kwargs: Any) -> Any:
     """torch's checkpoint with the re-run out of autocast: its check of the recomputed
     tensors raises in backward, with a message that ends in tips, not in the error."""

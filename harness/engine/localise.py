@@ -148,6 +148,8 @@ class _Recorder(TorchDispatchMode):  # type: ignore[no-untyped-call]  # untyped 
             ops.append(recorded)
             if not self.owner.backward:
                 self.owner.made.made(recorded, out, ops, self.owner)
+        elif ops is not None and not self.owner.backward:
+            self.owner.made.copied(func, args, out, self.owner)
         return out
 
 
@@ -262,19 +264,49 @@ class _Made:
         #: of the re-run: a layer applied twice is given its own output)
         self.served: set[str] = set()
         self.inputs: set[int] = set()  # the storages of the re-run now running's inputs
+        self.broken = False  # a step failed on a tensor it cannot read: it says nothing
 
     def made(self, recorded: _Op, out: Any, ops: list[_Op], tracker: _Tracker) -> None:
         """After a recorded forward op of a segment: its first output's maker."""
         tensor = next((t for t in tree_leaves(out) if isinstance(t, Tensor)), None)
-        if tensor is None or not tracker.segment:
+        if tensor is not None and tracker.segment:
+            self._keep(tensor, (tracker.segment[-1], len(ops) - 1, recorded))
+
+    def copied(self, func: Any, args: Any, out: Any, tracker: _Tracker) -> None:
+        """After a copy in a segment's forward (``clone``, ``copy_``): a copy of an output
+        a forward op made is that output still (a store that saves copies)."""
+        name = func.overloadpacket.__name__
+        source = args[1] if name == "copy_" and len(args) > 1 else args[0] if args else None
+        copy = next((t for t in tree_leaves(out) if isinstance(t, Tensor)), None)
+        if name not in ("clone", "copy_", "_to_copy") or not isinstance(source, Tensor) \
+                or copy is None or copy.dtype != source.dtype or not tracker.segment:
             return
-        with _disable_current_modes():
-            alias = tensor.detach()
-        self.by_storage.setdefault(tensor_key(tensor), []).append(
-            (alias, tracker.segment[-1], len(ops) - 1, recorded))
+        for original, made_in, index, op in self.by_storage.get(tensor_key(source), []):
+            if made_in == tracker.segment[-1] and _same_layout(original, source):
+                self._keep(copy, (made_in, index, op))
+                return
+
+    def _keep(self, tensor: Tensor, maker: tuple[str, int, _Op]) -> None:
+        if self.broken:
+            return
+        try:
+            with _disable_current_modes():
+                alias = tensor.detach()
+            self.by_storage.setdefault(tensor_key(tensor), []).append((alias, *maker))
+        except Exception:  # a tensor without storage (a subclass): the search stops here
+            self.broken = True
 
     def read(self, func: Any, given: Any, ops: list[_Op], tracker: _Tracker) -> None:
-        """Before a re-run op: an argument the forward made, whose values changed since."""
+        """Before a re-run op: an argument the forward made, whose values changed since.
+        A failure here (a tensor it cannot compare) turns it off, never the model's run."""
+        if self.broken:
+            return
+        try:
+            self._read(func, given, ops, tracker)
+        except Exception:
+            self.broken = True
+
+    def _read(self, func: Any, given: Any, ops: list[_Op], tracker: _Tracker) -> None:
         segment = tracker.segment[-1] if tracker.segment else tracker.implicit or ""
         if segment in self.stale:
             return
@@ -282,7 +314,8 @@ class _Made:
             if tensor_key(tensor) in self.inputs:
                 continue
             for original, made_in, index, op in self.by_storage.get(tensor_key(tensor), []):
-                if made_in != segment or not _same_layout(original, tensor) or op.value is None:
+                if made_in != segment or not _same_layout(original, tensor) or op.value is None \
+                        or op.value.device != tensor.device:
                     continue
                 self.served.add(segment)
                 with _disable_current_modes():
