@@ -15,13 +15,13 @@ import functools
 from typing import Any
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.checkpoint import (
     CheckpointPolicy,
     checkpoint,
     create_selective_checkpoint_contexts,
 )
 
+from gradequiv.harness.implementations.faults import MatmulStore
 from gradequiv.harness.implementations.torch_builtins import tensors_positional
 
 #: Elements of the pool the offloading checkpoint allocates on its first call (16 MB).
@@ -95,35 +95,17 @@ def user_matmul_policy_checkpoint(function: Any, *args: Any, **kwargs: Any) -> A
     return checkpoint(function, *args, use_reentrant=False, context_fn=contexts, **kwargs)
 
 
-_MATMULS = (torch.ops.aten.mm.default, torch.ops.aten.addmm.default, torch.ops.aten.bmm.default)
-
-
-class _CopyStore(TorchDispatchMode):  # type: ignore[no-untyped-call]  # untyped in torch
-    """A user's own selective store: the forward saves a copy of each matmul output, the
-    re-run takes them back in order instead of computing them. The copy is what keeps it
-    right where an in-place op later writes into the output (torch's SAC raises there)."""
-
-    def __init__(self, store: list[torch.Tensor], *, replay: bool) -> None:
-        super().__init__()  # type: ignore[no-untyped-call]
-        self.store, self.replay = store, replay
-
-    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (),
-                           kwargs: Any = None) -> Any:
-        if func in _MATMULS and self.replay and self.store:
-            return self.store.pop(0)
-        out = func(*args, **(kwargs or {}))
-        if func in _MATMULS and not self.replay:
-            self.store.append(out.clone())
-        return out
-
-
-def _copy_store_contexts() -> tuple[_CopyStore, _CopyStore]:
+def _copy_store_contexts() -> tuple[MatmulStore, MatmulStore]:
     store: list[torch.Tensor] = []
-    return _CopyStore(store, replay=False), _CopyStore(store, replay=True)
+    return (MatmulStore(store, replay=False, copy=True),
+            MatmulStore(store, replay=True, copy=True))
 
 
 def copying_matmul_store(function: Any, *args: Any, **kwargs: Any) -> Any:
-    """torch's checkpoint with a store of copied matmul outputs through ``context_fn``."""
+    """A user's own selective store through torch's ``context_fn``: the forward saves a
+    copy of each matmul output, the re-run takes them back instead of computing them. The
+    copy keeps it right where an in-place op later writes into the output (torch's SAC
+    raises there; the fault library's matmul-outputs-cached keeps references)."""
     return checkpoint(function, *args, use_reentrant=False, context_fn=_copy_store_contexts,
                       determinism_check="none", **kwargs)
 

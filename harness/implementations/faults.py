@@ -380,7 +380,7 @@ def _first_run(run: _Run, tensors: list[Tensor], params: list[nn.Parameter]
     known = {id(t) for t in (*tensors, *params)}
     reads = _OutsideReads(known) if not faults.outside_params_no_grad \
         else contextlib.nullcontext(None)
-    cache = _MatmulCache(run.cached, replay=False) if faults.matmul_outputs_cached \
+    cache = MatmulStore(run.cached, replay=False) if faults.matmul_outputs_cached \
         else contextlib.nullcontext()
     with torch.no_grad(), reads as seen, cache:
         run.out = run.call(tuple(tensors), recompute=False)
@@ -428,23 +428,24 @@ _MATMULS = (torch.ops.aten.mm.default, torch.ops.aten.addmm.default,
 
 
 # torch leaves TorchDispatchMode untyped (__init_subclass__, __init__).
-class _MatmulCache(TorchDispatchMode):  # type: ignore[no-untyped-call]
-    """The matmul-outputs-cached fault: the forward keeps each matmul's output by reference
-    (no copy, as a policy that saves matmul outputs keeps them), the recompute hands them
-    back in order instead of computing them. Right while nothing writes to them; an in-place
-    op on one (a scale, a mask, an in-place dropout) is then applied to it a second time."""
+class MatmulStore(TorchDispatchMode):  # type: ignore[no-untyped-call]
+    """A selective store of matmul outputs: the forward keeps each one, the recompute hands
+    them back in order instead of computing them. Kept by reference (``copy=False``, as a
+    policy that saves matmul outputs keeps them) it is the matmul-outputs-cached fault:
+    right while nothing writes to them, but an in-place op on one (a scale, a mask, an
+    in-place dropout) is then applied to it a second time. Kept as copies it is right."""
 
-    def __init__(self, cache: list[Tensor], *, replay: bool) -> None:
+    def __init__(self, store: list[Tensor], *, replay: bool, copy: bool = False) -> None:
         super().__init__()  # type: ignore[no-untyped-call]
-        self.cache, self.replay = cache, replay
+        self.store, self.replay, self.copy = store, replay, copy
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (),
                            kwargs: Any = None) -> Any:
-        if func in _MATMULS and self.replay and self.cache:
-            return self.cache.pop(0)
+        if func in _MATMULS and self.replay and self.store:
+            return self.store.pop(0)
         out = func(*args, **(kwargs or {}))
         if func in _MATMULS and not self.replay:
-            self.cache.append(out)
+            self.store.append(out.clone() if self.copy else out)
         return out
 
 
@@ -601,7 +602,7 @@ class _Recompute(torch.autograd.Function):
         if faults.state_queue_without_backward and _QUEUE.get(run.function):
             state = _QUEUE[run.function].popleft()
         assert state is not None
-        cache = _MatmulCache(run.cached, replay=True) if faults.matmul_outputs_cached \
+        cache = MatmulStore(run.cached, replay=True) if faults.matmul_outputs_cached \
             else contextlib.nullcontext()
         kept = _held_to_backward_end() if faults.recomputed_held_to_backward_end \
             else contextlib.nullcontext()
