@@ -79,8 +79,9 @@ def diagnose(failure: dict[str, Any], record: dict[str, Any] | None) -> Diagnosi
 #: Causes read from the recompute property's counts and bytes: evidence no value fault makes.
 _MEMORY_CAUSES = ("no-memory-saved", "no-recompute", "leak", "recomputed-held",
                   "recompute-count")
-#: Causes that already account for the caller's stream.
+#: Causes that already account for buffers that differ.
 _BUFFER_CAUSES = ("buffers-updated-twice", "buffers-missed", "model-state-changed")
+#: Causes that already account for the caller's stream.
 _STREAM_CAUSES = ("rng-not-restored", "rng-stream-moved", "global-state", "model-own-generator",
                   "model-python-random", "nondeterministic")
 
@@ -179,9 +180,12 @@ def _cause(failure: dict[str, Any], record: dict[str, Any] | None,
             found = _model_draws(failure, raised=last)
             if found is not None:
                 return found
+            # the re-run parted from its forward before it raised; unless the forward
+            # changed an input the re-run read (the model's: model-rerun-raised, below)
             op = failure.get("first_diverging_op")
-            found = _from_divergence(op) if op else None
-            if found is not None:  # the re-run parted from its forward before it raised
+            found = _from_divergence(op) if op and not _model_lines(
+                failure, "model input: ") else None
+            if found is not None:
                 return found[0], f"{found[1]}; the re-run then raised: {last}"
         return "raised", (f"the implementation raised during {record.get('error_at') or 'the run'}"
                           f": {last}")
