@@ -279,7 +279,8 @@ class _Made:
         source = args[1] if name == "copy_" and len(args) > 1 else args[0] if args else None
         copy = next((t for t in tree_leaves(out) if isinstance(t, Tensor)), None)
         if name not in ("clone", "copy_", "_to_copy") or not isinstance(source, Tensor) \
-                or copy is None or copy.dtype != source.dtype or not tracker.segment:
+                or copy is None or copy.dtype != source.dtype or not tracker.segment \
+                or copy.data_ptr() in tracker.buffers:  # the model's state, not a store
             return
         for original, made_in, index, op in self.by_storage.get(tensor_key(source), []):
             if made_in == tracker.segment[-1] and _same_layout(original, source):

@@ -341,11 +341,12 @@ def _model_draws(failure: dict[str, Any], raised: str = "") -> tuple[str, str] |
 
 #: Causes a change the model made to what its re-run reads may explain better: a re-run
 #: computing another thing, a raise; and under torch's own checkpoint, which re-runs
-#: faithfully, a fault seen only at a later step, in buffers, in a later forward (the next
+#: faithfully, a fault seen only at a later step, in buffers, in a stored output read back
+#: (it keeps no store: the model's state is what was read), in a later forward (the next
 #: micro-batch's, an eval one's), in gradients alone or nowhere in particular.
 _REFINED = ("raised", "inputs-lost", "dropout-skipped")
 _REFINED_UNDER_TORCH = ("later-step", "buffers-updated-twice", "buffers-missed",
-                        "forward-changed", "inference",
+                        "saved-output-changed", "forward-changed", "inference",
                         "param-grads-wrong", "accumulation-lost", "second-order-lost",
                         "other")
 
