@@ -102,3 +102,18 @@ def test_a_masked_op_s_error_is_read_over_its_finite_elements_and_never_nan() ->
     assert _rel_error(a, b) == pytest.approx(0.5 / torch.tensor([1.0, 2.5]).norm().item())
     assert _rel_error(a, torch.tensor([1.0, 0.0, 2.0])) is None  # the mask itself differs
     assert _rel_error(a, a.clone()) == 0.0
+
+
+def test_a_tensor_the_stale_read_search_cannot_read_turns_it_off_not_the_run(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A tensor without storage (a subclass) must not fail the model's run, which would
+    read as the implementation raising: the search says nothing, the divergence stands."""
+    from gradequiv.harness.engine import localise as search
+
+    def unreadable(tensor: torch.Tensor) -> int:
+        raise RuntimeError("no storage")
+
+    monkeypatch.setattr(search, "tensor_key", unreadable)
+    found = search.localise(MUTANT["no-rng-restore"], find_case("2L-layer-manual-attn"))
+    assert found.divergence is not None and found.divergence.random, found.describe()
+    assert found.divergence.stale == ""

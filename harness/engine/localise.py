@@ -201,8 +201,7 @@ class _Tracker:
                 self.implicit = None
                 self.segment.append(segments[id(module)])
                 if self.backward:
-                    self.made.inputs = {tensor_key(t) for t in tree_leaves(args)
-                                        if isinstance(t, Tensor)}
+                    self.made.rerun_begins(args)
                 phase = "recompute" if self.backward else "forward"
                 self.ops.setdefault((segments[id(module)], phase), []).append([])
             elif self.backward and not self.segment and torch.is_grad_enabled():
@@ -275,6 +274,14 @@ class _Made:
     def copied(self, func: Any, args: Any, out: Any, tracker: _Tracker) -> None:
         """After a copy in a segment's forward (``clone``, ``copy_``): a copy of an output
         a forward op made is that output still (a store that saves copies)."""
+        if self.broken:
+            return
+        try:
+            self._copied(func, args, out, tracker)
+        except Exception:  # a tensor without storage (a subclass): the search stops here
+            self.broken = True
+
+    def _copied(self, func: Any, args: Any, out: Any, tracker: _Tracker) -> None:
         name = func.overloadpacket.__name__
         source = args[1] if name == "copy_" and len(args) > 1 else args[0] if args else None
         copy = next((t for t in tree_leaves(out) if isinstance(t, Tensor)), None)
@@ -286,6 +293,13 @@ class _Made:
             if made_in == tracker.segment[-1] and _same_layout(original, source):
                 self._keep(copy, (made_in, index, op))
                 return
+
+    def rerun_begins(self, args: Any) -> None:
+        """A segment's re-run begins on ``args``: reading them is no store's."""
+        try:
+            self.inputs = {tensor_key(t) for t in tree_leaves(args) if isinstance(t, Tensor)}
+        except Exception:
+            self.broken = True
 
     def _keep(self, tensor: Tensor, maker: tuple[str, int, _Op]) -> None:
         if self.broken:
