@@ -7,7 +7,6 @@ pytest puts this folder on sys.path.
 
 from __future__ import annotations
 
-import functools
 import itertools
 import os
 from collections import Counter
@@ -15,7 +14,7 @@ from typing import Any
 
 import torch
 from torch import Tensor, nn
-from torch.utils.checkpoint import checkpoint, create_selective_checkpoint_contexts
+from torch.utils.checkpoint import checkpoint
 
 
 def _checkpoint(fn: Any, *args: Any, **kwargs: Any) -> Any:
@@ -94,28 +93,27 @@ def returns_tuple(fn: Any, *args: Any, **kwargs: Any) -> Any:
     return (_checkpoint(fn, *args, **kwargs),)
 
 
-def drops_kwargs(fn: Any, *args: Any, **kwargs: Any) -> Any:
-    """Keyword arguments reach the first forward but not the recompute."""
+def _kwargs_in_forward_only(fn: Any, kwargs: dict[str, Any]) -> Any:
+    """``fn`` given ``kwargs`` on its first call (the forward), not on later ones."""
     first = itertools.count()
 
     def run(*a: Any) -> Any:
         return fn(*a, **kwargs) if next(first) == 0 else fn(*a)
 
-    return _checkpoint(run, *args)
+    return run
+
+
+def drops_kwargs(fn: Any, *args: Any, **kwargs: Any) -> Any:
+    """Keyword arguments reach the first forward but not the recompute."""
+    return _checkpoint(_kwargs_in_forward_only(fn, kwargs), *args)
 
 
 def selective_drops_kwargs(fn: Any, *args: Any, **kwargs: Any) -> Any:
     """torch's selective checkpoint saving every matmul output (a store the re-run reads
     the forward's outputs from, unchanged), with keyword arguments dropped in the re-run."""
-    first = itertools.count()
+    from correct_impls import user_matmul_policy_checkpoint
 
-    def run(*a: Any) -> Any:
-        return fn(*a, **kwargs) if next(first) == 0 else fn(*a)
-
-    contexts = functools.partial(
-        create_selective_checkpoint_contexts,
-        [torch.ops.aten.mm.default, torch.ops.aten.addmm.default, torch.ops.aten.bmm.default])
-    return _checkpoint(run, *args, context_fn=contexts)
+    return user_matmul_policy_checkpoint(_kwargs_in_forward_only(fn, kwargs), *args)
 
 
 def copying_store_no_rng_restore(fn: Any, *args: Any, **kwargs: Any) -> Any:

@@ -336,7 +336,7 @@ class _Made:
                 with _disable_current_modes():
                     if same_values(op.value, tensor.detach()):
                         continue
-                    share = float((op.value != tensor.detach()).float().mean())
+                    share = _differing(op.value, tensor.detach())
                 name = str(func.overloadpacket.__name__)
                 self.stale[segment] = (
                     f"{name} in {tracker.module_path() or segment} (op {len(ops)} of the "
@@ -492,10 +492,15 @@ def _first_of(segment: str, pairs: list[tuple[int, tuple[_Op, _Op]]]) -> Diverge
                               _rel_error(a.value, b.value), 1.0, random)
         if a.value is None or b.value is None or torch.equal(a.value, b.value):
             continue
-        differing = float((a.value != b.value).float().mean())
+        differing = _differing(a.value, b.value)
         return Divergence(segment, index, b.op, b.module, a.signature(), b.signature(),
                           _rel_error(a.value, b.value), differing, random)
     return None
+
+
+def _differing(a: Tensor, b: Tensor) -> float:
+    """The share of elements that differ."""
+    return float((a != b).float().mean())
 
 
 def _rel_error(a: Tensor | None, b: Tensor | None) -> float | None:
