@@ -51,6 +51,7 @@ from torch import Tensor
 from gradequiv.harness.engine import global_state
 from gradequiv.harness.engine.case import Case
 from gradequiv.harness.engine.compare import DTYPE_CAPS, Tolerance, measure_pairs
+from gradequiv.harness.engine.rng_story import rng_stories
 from gradequiv.harness.engine.runner import PathRun, StepRecord, run_path
 from gradequiv.harness.errors import exception_line
 from gradequiv.harness.implementations.adapters import Implementation
@@ -363,7 +364,7 @@ def _check_all(
     leaked = _global_state_leak(full, rc)
     if leaked:
         results["rng"].failures.append(leaked)
-    results["rng"].failures += _rng_stories(full, rc)
+    results["rng"].failures += rng_stories(full, rc)
     _check_recompute(case, full, rc, results["recompute"], compiled, selective=selective)
     for result in results.values():
         if result.passed is not None:
@@ -373,62 +374,6 @@ def _check_all(
             elif not result.summary:
                 result.summary = _summary(result)
     return [results[name] for name in PROPERTIES]
-
-
-#: How many single 32-bit draws ``_draws_between`` tries before it gives up.
-_MAX_DRAWS = 1 << 16
-
-
-def _rng_stories(full: PathRun, rc: PathRun) -> list[str]:
-    """What the recompute path did to the caller's CPU stream, at the first step whose
-    state differs: reseeded it, left it rewound (behind full storage's, to where the step
-    began if so), or advanced it by extra draws. A state that is none of these (other
-    draws) gets no story; the failing check says it differs."""
-    for k, (step_rc, step_full) in enumerate(zip(rc.steps, full.steps), start=1):
-        ours, theirs = step_rc.rng["cpu"], step_full.rng["cpu"]
-        if torch.equal(ours, theirs):
-            continue
-        start = full.starts[k - 2].rng["cpu"] if 1 < k <= len(full.starts) + 1 else None
-        story = _rng_story(theirs, ours, start)
-        return [f"after step {k} the caller's cpu generator was left {story}"] if story else []
-    return []
-
-
-def _rng_story(theirs: Tensor, ours: Tensor, start: Tensor | None) -> str:
-    """How the state ``ours`` stands to full storage's ``theirs`` (CPU generator states)."""
-    seeds = []
-    for state in (theirs, ours):
-        generator = torch.Generator()
-        try:
-            generator.set_state(state)
-        except RuntimeError:  # not a CPU generator's state
-            return ""
-        seeds.append(generator.initial_seed())
-    if seeds[0] != seeds[1]:
-        return (f"reseeded (seeded with {seeds[1]}, where full storage's stream runs from "
-                f"seed {seeds[0]})")
-    behind = _draws_between(ours, theirs)
-    if behind is not None:
-        where = " (where the step began)" if start is not None and torch.equal(ours, start) \
-            else ""
-        return f"rewound, {behind} draws behind full storage's{where}"
-    ahead = _draws_between(theirs, ours)
-    if ahead is not None:
-        return f"advanced, {ahead} draws past full storage's (taken by the recompute)"
-    return ""
-
-
-def _draws_between(start: Tensor, end: Tensor) -> int | None:
-    """How many single 32-bit draws take a CPU generator from ``start`` to ``end`` (a
-    64-bit draw is two); None if not within ``_MAX_DRAWS``."""
-    generator = torch.Generator()
-    generator.set_state(start)
-    one = torch.empty(1, dtype=torch.int32)
-    for n in range(1, _MAX_DRAWS + 1):
-        one.random_(generator=generator)
-        if torch.equal(generator.get_state(), end):
-            return n
-    return None
 
 
 def _counts(a: Any, b: Any) -> list[int] | None:
