@@ -41,11 +41,24 @@ def check_report(data: Any, path: Path) -> None:
         what = "at $: it is nested too deeply to be a report"
     else:
         if problem is None:
+            _check_verdict(data, path)
             return
         what = str(problem).replace("\n", "\\n").replace("\r", "\\r")  # one line, always
     raise InvalidArgument(f"{str(path)!r} is not a valid report (schema version 1): {what}; "
                           f"it was not written by this gradequiv version's check, or was "
                           f"edited: re-run `gradequiv check --report-dir {path.parent}`")
+
+
+def _check_verdict(data: dict[str, Any], path: Path) -> None:
+    """Refuse a report whose stored verdict is not the one its cases, tests and failures
+    give (exit 2, one line naming the field): an edited verdict never gates as a pass."""
+    from gradequiv.harness.reports.report import verdict_disagreement
+
+    disagreement = verdict_disagreement(data)
+    if disagreement is not None:
+        raise InvalidArgument(f"{str(path)!r}: {disagreement}: the stored verdict disagrees "
+                              f"with what the report holds (edited or damaged); re-run "
+                              f"`gradequiv check --report-dir {path.parent}`")
 
 
 @dataclass

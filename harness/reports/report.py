@@ -187,10 +187,7 @@ def assemble_check_report(
     """
     records, attempts = distinct_cases(records, failures)
     failed = [r for r in records if r["verdict"] == "fail"]
-    # A pass needs every property test to have ended and passed: a run that stopped early
-    # (interrupted, killed, or still going when this is written) has proved nothing whole.
-    verdict_fails = (bool(failed) or not records or bool(failures) or not complete
-                     or not outcomes or any(v != "passed" for v in outcomes.values()))
+    verdict_fails = _why_not_a_pass(records, failures, complete, outcomes) is not None
     conditions = run_conditions(device, options.seed) | {
         "profile": options.profile, "examples_per_property": options.max_examples,
         "shard": f"{options.shard[0]}/{options.shard[1]}"}
@@ -217,6 +214,52 @@ def assemble_check_report(
         "minimal_failures": failures,
         "statistics": _statistics(records),
     }
+
+
+def _why_not_a_pass(cases: list[dict[str, Any]], failures: list[dict[str, Any]],
+                    complete: bool, outcomes: dict[str, str]) -> str | None:
+    """The field of a report that makes it no pass (``cases[2].verdict='fail'``), or None.
+
+    A pass needs every case to pass, every property test to have ended and passed,
+    and no failure: a run that stopped early (interrupted, killed, or still going when
+    this is written) has proved nothing whole, and one with no case nothing at all.
+    """
+    for index, case in enumerate(cases):
+        if case.get("verdict") != "pass":
+            return f"cases[{index}].verdict={case.get('verdict')!r}"
+    if not cases:
+        return "cases=[] (no case was verified)"
+    if failures:
+        return f"minimal_failures holds {len(failures)} failure(s)"
+    if not complete:
+        return "complete=False"
+    if not outcomes:
+        return "tests={} (no property test ended)"
+    for name, outcome in sorted(outcomes.items()):
+        if outcome != "passed":
+            return f"tests[{name!r}]={outcome!r}"
+    return None
+
+
+def verdict_disagreement(report: dict[str, Any]) -> str | None:
+    """Why a check report's stored ``verdict`` disagrees with what it holds (the verdict
+    decided again from its cases, tests, failures and completeness), or None.
+
+    A report.json edited to read "pass" over failing cases, or a failure with a passing
+    verdict, is never rendered or gated on as a pass.
+    """
+    why = _why_not_a_pass(list(report.get("cases") or []),
+                          list(report.get("minimal_failures") or []),
+                          bool(report.get("complete")), dict(report.get("tests") or {}))
+    if why is None and report.get("failure") is not None:
+        why = "failure is set"
+    stored = report.get("verdict")
+    if stored == "pass" and why is not None:
+        return f"verdict='pass' but {why}"
+    if stored == "fail" and why is None:
+        return ("verdict='fail' but every case and property test passed, complete and "
+                "without a failure")
+    return None
 
 
 def better_record(kept: dict[str, Any] | None, new: dict[str, Any]) -> bool:
