@@ -113,7 +113,7 @@ def build_parser() -> argparse.ArgumentParser:
                             "found (default: no time limit; the same seed then gives the same "
                             "report on any machine)")
     check.add_argument("--case-timeout", type=_seconds("--case-timeout"),
-                       default=CASE_TIMEOUT_S, metavar="SECONDS",
+                       default=None, metavar="SECONDS",
                        help="fail the run when the implementation makes no progress for "
                             f"this long: a case that hangs (default {CASE_TIMEOUT_S}; 0: no "
                             "limit)")
@@ -233,7 +233,13 @@ def _run(argv: list[str], channel: Any) -> int:
                 if not args.in_process:
                     from gradequiv.harness.commands import supervise
 
-                    return supervise.run(options, argv, case_timeout=args.case_timeout)
+                    timeout = CASE_TIMEOUT_S if args.case_timeout is None else args.case_timeout
+                    return supervise.run(options, argv, case_timeout=timeout)
+                if channel is None and args.case_timeout is not None:
+                    raise InvalidArgument(
+                        f"--case-timeout={args.case_timeout} needs the supervised child that "
+                        f"--in-process turns off (nothing could stop a hang in this "
+                        f"process); drop --in-process, or drop --case-timeout")
                 from gradequiv.harness.commands import check, leftovers, supervise
 
                 if channel is not None:

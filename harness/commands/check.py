@@ -80,7 +80,17 @@ def _run(options: CheckOptions, observer: Any) -> int:
     case = None
     if options.case is not None:
         case = load_case(options.case)
-        check_runnable(case, device)
+        _refuse_model_mismatch(options, case)
+        _refuse_too_large(options.case, case)
+        try:
+            check_runnable(case, device)
+        except (MemoryError, RuntimeError) as exc:
+            if not isinstance(exc, MemoryError) and "allocate" not in str(exc):
+                raise
+            raise InvalidArgument(
+                f"--case={_short(options.case)}: its model could not be built on this "
+                f"machine ({type(exc).__name__}: {str(exc).splitlines()[0][:200]}); pick "
+                f"smaller sizes") from exc
         Tolerance(case.dtype, options.rtol, options.atol)
         declined = impl.declines(case.grad_mode, case.features())
         if declined:
@@ -103,6 +113,63 @@ def _run(options: CheckOptions, observer: Any) -> int:
 
             write_markdown(options.report_dir)  # users look for report.md beside report.json
         return code
+
+
+def _short(text: str, limit: int = 80) -> str:
+    """A --case value for a message: its repr, cut to ``limit`` characters."""
+    shown = repr(text)
+    return shown if len(shown) <= limit else shown[:limit - 4] + "...'"
+
+
+def _refuse_model_mismatch(options: CheckOptions, case: Any) -> None:
+    """--model with a case of another model would check that model and drop --model."""
+    from gradequiv.models.kinds import EXTERNAL
+
+    if options.model is None:
+        return
+    if case.model_kind != EXTERNAL:
+        raise InvalidArgument(
+            f"--case={_short(options.case or '')} is a case of the {case.model_kind} model, "
+            f"so --model={options.model!r} would not be checked; drop --case to check your "
+            f"model, or drop --model to replay the case")
+    if case.model.factory != options.model:
+        raise InvalidArgument(
+            f"--case={_short(options.case or '')} is a case of the model "
+            f"{case.model.factory!r}, not of --model={options.model!r}; drop --model (the case "
+            f"names its model) or pass the case of that model")
+
+
+#: The most elements a replayed case's model may hold (its parameters) or a forward make
+#: (its activations): 2**28, a gigabyte in fp32 before the copies a case keeps.
+MAX_CASE_ELEMENTS = 2**28
+
+
+def _refuse_too_large(text: str, case: Any) -> None:
+    """A --case too large to build is a usage error (exit 2) before it is built."""
+    from gradequiv.models import BatchNormConfig, TransformerConfig
+
+    config, batch = case.model, case.batch
+    tokens = batch.batch_size * batch.seq_len
+    if isinstance(config, TransformerConfig):
+        width, layers = config.n_embd, config.n_layer
+        params = ((config.vocab_size + config.max_seq_len) * width
+                  + layers * (4 + 2 * config.ffn_mult) * width * width)
+        activations = layers * (tokens * width * (8 + 2 * config.ffn_mult)
+                                + batch.batch_size * config.n_head * batch.seq_len ** 2)
+        sizes = f"n_layer={layers}, n_embd={width}, vocab_size={config.vocab_size}"
+    elif isinstance(config, BatchNormConfig):
+        params = config.n_layer * config.width * config.width
+        activations = config.n_layer * tokens * config.width * 4
+        sizes = f"n_layer={config.n_layer}, width={config.width}"
+    else:  # a user's model: its factory decides, and check_model reports its failures
+        return
+    sizes += f", batch_size={batch.batch_size}, seq_len={batch.seq_len}"
+    for what, count in (("parameters", params), ("activation elements", activations)):
+        if count > MAX_CASE_ELEMENTS:
+            raise InvalidArgument(
+                f"--case={_short(text)}: its model would hold about {count:.3g} {what} "
+                f"({sizes}), more than the {MAX_CASE_ELEMENTS:.3g} a case may; pick "
+                f"smaller sizes")
 
 
 def _run_suite(options: CheckOptions, impl: Any, device: Any, observer: Any) -> int:

@@ -76,7 +76,13 @@ def resolve(
         return Implementation(spec, compiled.segment_call(chosen_spec), "function",
                               dict(kwargs or {}), compiled=chosen_spec)
     if spec in BUILTINS:
-        target, default_adapter = builtin_target(spec), BUILTINS[spec][1]
+        default_adapter = BUILTINS[spec][1]
+        if adapter not in (None, default_adapter):
+            raise InvalidArgument(
+                f"--adapter={adapter!r}: built-in --impl={spec!r} is called through the "
+                f"{default_adapter!r} adapter only; drop --adapter (or write "
+                f"--adapter {default_adapter})")
+        target = builtin_target(spec)
         _require(spec, kwargs)  # a missing library or bad option: exit 2 before any case
         return Implementation(spec, target, adapter or default_adapter, dict(kwargs or {}),
                               default_adapter=default_adapter)
