@@ -28,11 +28,14 @@ the two full-storage runs differ, a noise floor that hides recompute's errors.
 
 from __future__ import annotations
 
+import difflib
+import functools
 import os
 import pkgutil
 import sys
-from collections.abc import Callable
-from dataclasses import dataclass
+from collections import Counter
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
 from types import MethodType
 from typing import Any
 
@@ -43,8 +46,8 @@ from gradequiv.harness.errors import InvalidArgument
 from gradequiv.models.granularity import SINGLE_LAYERS, Granularity
 from gradequiv.models.segments import RoutedModel, Router, Segment, layer_segments
 
-__all__ = ["ExternalConfig", "ExternalModel", "UserModel", "load_user_model",
-           "reproducibility_problem"]
+__all__ = ["ExternalConfig", "ExternalModel", "UserModel", "declared_regimes", "load_user_model",
+           "reproducibility_problem", "segment_names"]
 
 
 @dataclass(frozen=True)
@@ -65,15 +68,94 @@ class ExternalConfig:
                 f"that takes a seed and returns gradequiv.models.UserModel")
 
 
+#: A segment as a factory names it: a dotted submodule name, or a module class (every
+#: instance of it, outermost ones, in the model's order).
+SegmentName = str | type[nn.Module]
+
+
 @dataclass
 class UserModel:
-    """What a factory returns: everything the harness needs to train one fixed batch."""
+    """What a factory returns: everything the harness needs to train one fixed batch.
+
+    ``inputs``: the positional arguments of ``model.forward`` (a tuple), or its keyword
+    arguments (a dict); ``keyword_inputs`` adds keywords after positional ones (T5's
+    ``input_ids=..., decoder_input_ids=...`` without ``None`` placeholders between them).
+    ``segments``: dotted names of the submodules to recompute, or module classes (every
+    instance). ``regimes``: the precision regimes the model runs (None: every one); the
+    others are "not applicable to this model".
+    """
 
     model: nn.Module
-    inputs: tuple[Tensor | None, ...]  # positional arguments of model.forward
+    inputs: tuple[Tensor | None, ...] | dict[str, Tensor | None]
     targets: Tensor
     loss_fn: Callable[[Any, Tensor], Tensor]
-    segments: list[str]  # dotted names of the submodules to recompute, in call order
+    segments: Sequence[SegmentName]
+    keyword_inputs: dict[str, Tensor | None] = field(default_factory=dict)
+    regimes: tuple[str, ...] | None = None
+
+    @property
+    def positional(self) -> tuple[Tensor | None, ...]:
+        """The positional inputs (none where ``inputs`` is a dict)."""
+        return () if isinstance(self.inputs, dict) else tuple(self.inputs)
+
+    @property
+    def keywords(self) -> dict[str, Tensor | None]:
+        """Every keyword input: ``inputs`` as a dict, then ``keyword_inputs``."""
+        given = self.inputs if isinstance(self.inputs, dict) else {}
+        return {**given, **self.keyword_inputs}
+
+    def flat_inputs(self) -> tuple[Tensor | None, ...]:
+        """Positional inputs, then the keyword inputs' values: the one tuple the harness
+        carries (``ExternalModel.forward`` hands them back by keyword)."""
+        return (*self.positional, *self.keywords.values())
+
+    def input_names(self) -> list[str]:
+        """``arg0``, ``arg1``, ... for positional inputs, the keyword for the others."""
+        return [f"arg{i}" for i in range(len(self.positional))] + list(self.keywords)
+
+
+def segment_names(model: nn.Module, segments: Sequence[SegmentName]) -> list[str]:
+    """The dotted names of ``segments`` in ``model``: names as given, a class as every
+    instance of it (outermost only, in the model's order). A name or class that matches
+    nothing is InvalidArgument, saying which names exist."""
+    modules = dict(model.named_modules())
+    names: list[str] = []
+    for entry in segments:
+        if isinstance(entry, type):
+            found = [n for n, m in modules.items() if n and isinstance(m, entry)]
+            outer = [n for n in found if not any(n.startswith(o + ".") for o in found)]
+            if not outer:
+                raise InvalidArgument(
+                    f"segment class {entry.__qualname__} has no instance in the model; "
+                    f"{_known_names(modules)}")
+            names += outer
+        elif not isinstance(entry, str) or entry not in modules or entry == "":
+            hint = difflib.get_close_matches(str(entry), [n for n in modules if n], n=1)
+            fix = f"did you mean {hint[0]!r}? " if hint else ""
+            raise InvalidArgument(
+                f"segment {entry!r} is not a submodule of the model; {fix}"
+                f"{_known_names(modules)}")
+        else:
+            names.append(entry)
+    return names
+
+
+def _known_names(modules: dict[str, nn.Module]) -> str:
+    """What a factory could name instead: the repeated blocks (by class, with their first
+    and last names), then the top-level submodules."""
+    classes = Counter(type(m) for n, m in modules.items() if n and "." in n)
+    repeated = [cls for cls, k in classes.most_common() if k > 1 and len(list(cls.__mro__)) > 2
+                and cls.__module__.split(".")[0] != "torch"][:4]
+    said = []
+    for cls in repeated:
+        where = [n for n, m in modules.items() if type(m) is cls]
+        said.append(f"{cls.__name__} ({len(where)}: {where[0]} ... {where[-1]})")
+    top = [n for n in modules if n and "." not in n]
+    text = f"the model's top-level submodules are {', '.join(top[:12]) or 'none'}"
+    if said:
+        text = (f"its repeated blocks are {'; '.join(said)} (name them, or pass the class "
+                f"itself in segments for every instance); {text}")
+    return text
 
 
 def _route_calls(module: nn.Module, router: Router) -> None:
@@ -107,17 +189,14 @@ class ExternalModel(RoutedModel):
 
     router: Router
 
-    def __init__(self, inner: nn.Module, segment_names: list[str]) -> None:
+    def __init__(self, inner: nn.Module, segments: Sequence[SegmentName],
+                 input_keys: Sequence[str] = ()) -> None:
         super().__init__()
         self.inner = inner
         self.router = Router()  # on this wrapper only: the user's modules carry nothing
+        self.input_keys = tuple(input_keys)  # the last inputs go to forward by these keywords
         modules = dict(inner.named_modules())
-        for name in segment_names:
-            if name not in modules or name == "":
-                raise InvalidArgument(
-                    f"segment {name!r} is not a submodule of the model; known names start "
-                    f"with: {', '.join(sorted(n for n in modules if n)[:8])}")
-        self._segments = [(name, modules[name]) for name in segment_names]
+        self._segments = [(name, modules[name]) for name in segment_names(inner, segments)]
         for _, module in self._segments:
             _route_calls(module, self.router)
 
@@ -132,11 +211,16 @@ class ExternalModel(RoutedModel):
         """The user's submodules selected for recompute (for toggles that pick their own)."""
         return [module for _, module in self._segments if self.router.installed(module)]
 
+    def selected_names(self) -> list[str]:
+        """Their dotted names, as the user's model names them (what a toggle is handed)."""
+        return [name for name, module in self._segments if self.router.installed(module)]
+
     def user_view(self) -> nn.Module:
         return self.inner  # "blocks.0.linear.weight", as the user's model names it
 
     def forward(self, *inputs: Any) -> Any:
-        return self.inner(*inputs)
+        k = len(inputs) - len(self.input_keys)
+        return self.inner(*inputs[:k], **dict(zip(self.input_keys, inputs[k:])))
 
 
 def load_user_model(config: ExternalConfig, seed: int) -> UserModel:
@@ -156,9 +240,27 @@ def load_user_model(config: ExternalConfig, seed: int) -> UserModel:
             f"gradequiv.models.UserModel(model, inputs, targets, loss_fn, segments)")
     if not built.segments:
         raise InvalidArgument(f"--model={config.factory!r} names no segments to recompute")
-    if not isinstance(built.inputs, tuple):
+    if isinstance(built.segments, (str, type)):
+        built.segments = [built.segments]
+    if not isinstance(built.inputs, (tuple, dict)):
         built.inputs = tuple(built.inputs)
+    if built.regimes is not None:
+        from gradequiv.harness.engine.case import DTYPES
+
+        unknown = [r for r in built.regimes if r not in DTYPES]
+        if unknown or isinstance(built.regimes, str):
+            raise InvalidArgument(
+                f"--model={config.factory!r}: regimes={built.regimes!r} names "
+                f"{unknown or built.regimes!r}, no precision regime; the regimes are "
+                f"{', '.join(DTYPES)}")
     return built
+
+
+@functools.lru_cache(maxsize=16)
+def declared_regimes(factory: str) -> tuple[str, ...] | None:
+    """The precision regimes the factory says its model runs (None: every one), read from
+    one build with seed 0."""
+    return seeded_user_model(ExternalConfig(factory), 0).regimes
 
 
 def reproducibility_problem(config: ExternalConfig, seed: int = 0) -> str | None:
@@ -213,7 +315,7 @@ def _named_tensors(a: UserModel, b: UserModel
 
 def _first_difference(a: UserModel, b: UserModel) -> str | None:
     """The first thing two builds do not agree on, as "<what> (<how>)"."""
-    if a.segments != b.segments:
+    if list(a.segments) != list(b.segments):
         return f"the segments ({a.segments} and {b.segments})"
     for kind, named_a, named_b in _named_tensors(a, b):
         if list(named_a) != list(named_b):
@@ -224,12 +326,12 @@ def _first_difference(a: UserModel, b: UserModel) -> str | None:
             how = _tensor_difference(t, named_b[name])
             if how:
                 return f"{kind} {name} ({how})"
-    if len(a.inputs) != len(b.inputs):
-        return f"the inputs ({len(a.inputs)} and {len(b.inputs)} of them)"
-    for i, (x, y) in enumerate(zip(a.inputs, b.inputs)):
+    if a.input_names() != b.input_names():
+        return f"the inputs ({', '.join(a.input_names())} and {', '.join(b.input_names())})"
+    for name, x, y in zip(a.input_names(), a.flat_inputs(), b.flat_inputs()):
         how = _tensor_difference(x, y)
         if how:
-            return f"input {i} ({how})"
+            return f"input {name.removeprefix('arg')} ({how})"
     how = _tensor_difference(a.targets, b.targets)
     return f"the targets ({how})" if how else None
 

@@ -3,7 +3,8 @@
 Text forms (for the command line and reports): ``none``, ``layer``,
 ``every:K`` (every K-th layer, starting with layer 0), ``group:K``
 (consecutive groups of K layers, each recomputed as one segment),
-``attention`` (the attention sub-block of every layer), ``mlp``.
+``attention`` (the attention sub-block of every layer), ``mlp``; ``toggle``: where a
+toggle chooses the segments itself (a user's model, every named segment watched).
 """
 
 from __future__ import annotations
@@ -32,6 +33,18 @@ class EveryLayer:
 
     def __str__(self) -> str:
         return "layer"
+
+
+@dataclass(frozen=True)
+class TogglesOwn(EveryLayer):
+    """Whatever a toggle that chooses its own segments checkpoints: it is handed no
+    selection, so every named segment is watched, and one such case stands for every
+    granularity (``layer`` and ``every:2`` would be the same configuration)."""
+
+    kind: ClassVar[str] = "toggle"
+
+    def __str__(self) -> str:
+        return "toggle"
 
 
 @dataclass(frozen=True)
@@ -89,6 +102,7 @@ Granularity = (
 _PLAIN: dict[str, Granularity] = {
     "none": NoRecompute(),
     "layer": EveryLayer(),
+    "toggle": TogglesOwn(),
     "attention": AttentionOnly(),
     "mlp": MlpOnly(),
 }

@@ -134,3 +134,48 @@ def user_view(model: nn.Module) -> nn.Module:
     """``model.user_view()`` where the model has one, else the model itself."""
     view = getattr(model, "user_view", None)
     return view() if callable(view) else model
+
+
+#: Name parts that module wrappers insert (torch's checkpoint wrapper, FSDP, torch.compile):
+#: left out of a name nothing else can give back.
+_WRAPPER_PARTS = ("_checkpoint_wrapped_module", "_fsdp_wrapped_module", "_orig_mod")
+
+
+def unwrapped_name(name: str) -> str:
+    """``layers.0._checkpoint_wrapped_module.attn.weight`` -> ``layers.0.attn.weight``."""
+    return ".".join(part for part in name.split(".") if part not in _WRAPPER_PARTS)
+
+
+class UserNames:
+    """The names the user's model gives its parameters, buffers and modules, read before
+    an implementation is installed: a toggle or wrapper that wraps, renames or replaces
+    modules (torch's ``apply_activation_checkpointing`` adds ``_checkpoint_wrapped_module``)
+    changes none of them. Each tensor and module is followed by identity; one the
+    installation made is named by its new name without the wrappers' parts."""
+
+    def __init__(self, model: nn.Module) -> None:
+        self._model = model
+        view = user_view(model)
+        self._params = {id(p): n for n, p in view.named_parameters()}
+        self._buffers = {id(b): n for n, b in view.named_buffers()}
+        self._modules = {id(m): n for n, m in view.named_modules()}
+        # the objects themselves, so that no id above is reused while this lives
+        self._keep = [*view.parameters(), *view.buffers(), *view.modules()]
+
+    def parameters(self) -> list[tuple[str, nn.Parameter]]:
+        """The model's parameters now, by the user's names."""
+        return [(self._params.get(id(p)) or unwrapped_name(n), p)
+                for n, p in user_view(self._model).named_parameters()]
+
+    def buffers(self) -> list[tuple[str, Any]]:
+        """The model's buffers now, by the user's names."""
+        return [(self._buffers.get(id(b)) or unwrapped_name(n), b)
+                for n, b in user_view(self._model).named_buffers()]
+
+    def module(self, module: nn.Module, default: str) -> str:
+        """A module's name in the user's model (``default`` where it has none)."""
+        name = self._modules.get(id(module))
+        if name is not None:
+            return name
+        now = {id(m): n for n, m in user_view(self._model).named_modules()}
+        return unwrapped_name(now[id(module)]) if id(module) in now else default

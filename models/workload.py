@@ -135,7 +135,8 @@ def build(
 def _build_external(config: ExternalConfig, seed: int, device: torch.device | str) -> Workload:
     """A user's model from its factory (``--model``); the factory decides the batch."""
     user = seeded_user_model(config, seed)
-    model = ExternalModel(user.model, user.segments)  # draws nothing: only routes segments
+    # draws nothing: only routes segments; keyword inputs ride at the end of the inputs
+    model = ExternalModel(user.model, user.segments, input_keys=list(user.keywords))
     model.to(device)
-    inputs = tuple(t.to(device) if t is not None else None for t in user.inputs)
+    inputs = tuple(t.to(device) if t is not None else None for t in user.flat_inputs())
     return Workload(model, inputs, user.targets.to(device), user.loss_fn)

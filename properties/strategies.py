@@ -229,19 +229,23 @@ def batchnorm_cases(draw: st.DrawFn, *, device: str = "cpu",
 
 
 def external_cases(factory: str, *, device: str = "cpu",
-                   modes: tuple[str, ...] = GRAD_MODES) -> st.SearchStrategy[Case]:
+                   modes: tuple[str, ...] = GRAD_MODES,
+                   toggle_chooses: bool = False) -> st.SearchStrategy[Case]:
     """Return a strategy for cases of a user's model (``--model``): the factory fixes the
-    model and batch; drawn are the granularity (every segment, or every 2nd), the precision
-    regime, the seed, how gradients are asked for and the forwards before training.
-    Shrinks towards every segment, fp32, seed 0, ``loss.backward()``; never a gradient
-    penalty (``create-graph``).
+    model and batch; drawn are the granularity (every segment, or every 2nd; with
+    ``toggle_chooses``, a toggle that picks its own segments, only "the toggle's"), the
+    precision regime, the seed, how gradients are asked for and the forwards before
+    training. Shrinks towards every segment, fp32, seed 0, ``loss.backward()``; never a
+    gradient penalty (``create-graph``).
     """
     model = ExternalConfig(factory)
     # Not a gradient penalty: a user's model need not be twice differentiable (fused
     # attention kernels have no double backward).
     modes = tuple(m for m in modes if m != "create-graph")
     return st.builds(Case, model=st.just(model),
-                     granularity=st.sampled_from(["layer", "every:2"]).map(parse_granularity),
+                     granularity=st.sampled_from(["toggle"] if toggle_chooses
+                                                 else ["layer", "every:2"]
+                                                 ).map(parse_granularity),
                      dtype=dtype_regimes(device=device), seed=seeds(),
                      grad_mode=grad_modes(modes), inference=st.booleans())
 

@@ -47,7 +47,9 @@ def _drawn_cases() -> st.SearchStrategy[Case]:
         return compiled_cases(device=device)
     modes = runtime.RUN.grad_modes()  # what it declares it does not do is not drawn
     if OPTIONS.model is not None:
-        return external_cases(OPTIONS.model, device=device, modes=modes)
+        chooses = OPTIONS.impl is not None and runtime.RUN.implementation().chooses_segments
+        return external_cases(OPTIONS.model, device=device, modes=modes,
+                              toggle_chooses=chooses)
     return cases(device=device, models=OPTIONS.models, modes=modes)
 
 

@@ -123,7 +123,9 @@ class Case:
                                                                 else "")
             sites = [f"dropout {m.dropout:g}"] if m.dropout > 0 else []
         else:
-            return (f"model {m.factory}, {self.granularity}, {self.dtype}{self._training()}, "
+            granularity = ("granularity: the toggle's" if self.granularity.kind == "toggle"
+                           else str(self.granularity))
+            return (f"model {m.factory}, {granularity}, {self.dtype}{self._training()}, "
                     f"seed {self.seed}")
         rand = f"random: {', '.join(sites)}" if sites else "no random ops"
         if isinstance(m, TransformerConfig):

@@ -37,6 +37,8 @@ import torch
 from torch import Tensor
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from gradequiv.harness.engine.outputs import tensor_leaves
+
 if TYPE_CHECKING:
     from typing import Self
 
@@ -140,14 +142,8 @@ class _StorageRecorder(TorchDispatchMode):  # type: ignore[no-untyped-call]
 
 
 def _leaves(item: Any) -> list[Tensor]:
-    """Every tensor in ``item``: a tensor, or any nesting of tuples, lists and dicts."""
-    if isinstance(item, Tensor):
-        return [item]
-    if isinstance(item, dict):
-        return [t for value in item.values() for t in _leaves(value)]
-    if isinstance(item, (tuple, list)):
-        return [t for value in item for t in _leaves(value)]
-    return []
+    """Every tensor in ``item``: a tensor, or any pytree of them (ModelOutput, dataclass)."""
+    return tensor_leaves(item)
 
 
 def _tensors(items: Iterable[Any]) -> Iterable[Tensor]:
@@ -231,7 +227,7 @@ class ActivationCounter(_ModeScope):
                 if storage is not None:
                     yield key, storage
 
-    def held_bytes(self, *, ignore: Iterable[Tensor] = ()) -> int:
+    def held_bytes(self, *, ignore: Iterable[Any] = ()) -> int:
         """Bytes of the storages created in the block and alive now, each counted once.
 
         ``ignore``: tensors the caller holds itself (logits, loss); their
@@ -239,7 +235,7 @@ class ActivationCounter(_ModeScope):
         """
         return sum(storage.nbytes() for storage in self._alive(ignore))
 
-    def held_bytes_by_device(self, *, ignore: Iterable[Tensor] = ()) -> dict[str, int]:
+    def held_bytes_by_device(self, *, ignore: Iterable[Any] = ()) -> dict[str, int]:
         """``held_bytes`` split by the device each storage lives on ("cpu", "cuda:0"):
         where an offload put what it keeps."""
         held: dict[str, int] = {}
@@ -248,7 +244,7 @@ class ActivationCounter(_ModeScope):
             held[device] = held.get(device, 0) + storage.nbytes()
         return held
 
-    def alive_keys(self, *, ignore: Iterable[Tensor] = ()) -> frozenset[int]:
+    def alive_keys(self, *, ignore: Iterable[Any] = ()) -> frozenset[int]:
         """Which storages ``held_bytes`` counts now, to ask later which of them outlived a
         moment (``bytes_still_alive``): valid while this counter lives."""
         return frozenset(key for key, storage in self._alive_keyed(ignore) if storage.nbytes())
@@ -257,7 +253,7 @@ class ActivationCounter(_ModeScope):
         """Bytes of the storages behind ``keys`` (from ``alive_keys``) still alive now."""
         return _alive_bytes(keys, set())
 
-    def held_storages(self, *, ignore: Iterable[Tensor] = ()) -> int:
+    def held_storages(self, *, ignore: Iterable[Any] = ()) -> int:
         """How many storages ``held_bytes`` counts, empty ones left out, for diagnostics."""
         return sum(1 for storage in self._alive(ignore) if storage.nbytes())
 
@@ -302,10 +298,11 @@ class BackwardPeak(_ModeScope):
     too (pass ``gradient`` made outside the block to leave it out).
     """
 
-    def __init__(self, counter: ActivationCounter, *, ignore: Iterable[Tensor] = ()) -> None:
+    def __init__(self, counter: ActivationCounter, *, ignore: Iterable[Any] = ()) -> None:
         self._forward = counter
         self._ignore: set[int] = set()
-        _weak_keys(ignore, self._ignore)
+        # Outputs may be structures (a ModelOutput, a dataclass): their tensors.
+        _weak_keys((leaf for item in ignore for leaf in _leaves(item)), self._ignore)
         self._skip = counter._excluded | self._ignore  # fixed for the block: built once
         self._recomputed: set[int] = set()
         self.peak_bytes = 0

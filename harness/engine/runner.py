@@ -41,12 +41,13 @@ from gradequiv.harness.engine.attribution import ParameterUses
 from gradequiv.harness.engine.case import Case
 from gradequiv.harness.engine.global_state import GlobalState, snapshot
 from gradequiv.harness.engine.memory import ActivationCounter, RecomputeCarry, SavedBytes
+from gradequiv.harness.engine.outputs import main_output
 from gradequiv.harness.engine.path import PreparedPath, build_path
 from gradequiv.harness.engine.saves import SavedCalls
 from gradequiv.harness.implementations.adapters import Implementation
 from gradequiv.harness.implementations.compiled import CompileSettings, compile_model
 from gradequiv.models import Segment
-from gradequiv.models.segments import RoutedModel, user_view
+from gradequiv.models.segments import RoutedModel, UserNames
 
 LEARNING_RATE = 1e-2
 MOMENTUM = 0.9
@@ -152,13 +153,15 @@ def run_path(
     path = build_path(case, device)
     model, segments, inputs = path.model, path.segments, path.inputs
     where = "setup"
+    # Names before the installation: a toggle or wrapper may wrap, rename or replace modules
+    names = UserNames(model)
     started = time.perf_counter()
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         try:
             path.install(impl)  # inside: what an implementation raises is a verdict
             phase = _Phase()
-            counted = {} if compiled else _counted_modules(model, segments)
+            counted = {} if compiled else _counted_modules(names, segments)
             calls = _count_calls(counted, phase)
             saves = SavedCalls(counted).counts if impl is None else {}  # nothing saved: no re-run
             # What re-ran in backward, by the ops that read each segment's parameters: a
@@ -168,7 +171,7 @@ def run_path(
                 if impl is not None and counted else None
             grads_in = _SegmentInputGrads(model, [] if compiled else segments)
             call = model if compiled is None else compile_model(model, compiled)
-            params = list(user_view(model).named_parameters())
+            params = names.parameters()
             optimizer = torch.optim.SGD([p for _, p in params], lr=LEARNING_RATE,
                                         momentum=MOMENTUM)
             model.train()
@@ -233,13 +236,14 @@ def run_path(
                             # (create-graph's first backward re-runs with the graph kept:
                             # what it holds is the double backward's, not a leak)
                             carry = RecomputeCarry(held_keys, functools.partial(
-                                _rerun_segments, uses, _segment_of(model, segments)))
+                                _rerun_segments, uses, _segment_of(names, segments)))
                         with phase.backward(), \
                                 carry if carry is not None and k == 0 \
                                 else contextlib.nullcontext():
                             touched |= _ask_gradients(case.grad_mode, loss, params, inputs,
-                                                      watch=uses)
-                        kept += [loss.detach(), _main_output(outputs).detach()]
+                                                      watch=uses,
+                                                      input_names=_input_names(model, inputs))
+                        kept += [loss.detach(), main_output(outputs).detach()]
                         del outputs, loss
                 left = None if made is None else made.held_bytes(
                     ignore=[*kept, *grads_in.grads.values(),
@@ -255,7 +259,7 @@ def run_path(
                 if step == 1:
                     run.held_bytes = step_held
                 run.steps.append(_record(model, params, inputs, kept, grads_in.grads, calls,
-                                         device, sorted(touched), left))
+                                         device, sorted(touched), left, names))
                 run.steps[-1].held_bytes = step_held
                 run.steps[-1].saved = {n: c[0] for n, c in saves.items()}
                 run.steps[-1].held_saved = held_saved
@@ -293,13 +297,14 @@ def _inference_forwards(path: PreparedPath, call: nn.Module) -> dict[str, Tensor
     path.model.train()
     with torch.no_grad():
         no_grad, _ = path.forward(call)
-    return {"eval forward output": _main_output(evaluated).detach(),
-            "no_grad forward output": _main_output(no_grad).detach()}
+    return {"eval forward output": main_output(evaluated).detach(),
+            "no_grad forward output": main_output(no_grad).detach()}
 
 
 def _ask_gradients(mode: str, loss: Tensor, params: list[tuple[str, nn.Parameter]],
                    inputs: tuple[Tensor | None, ...],
-                   watch: ParameterUses | None = None) -> set[str]:
+                   watch: ParameterUses | None = None,
+                   input_names: list[str] | None = None) -> set[str]:
     """Backpropagate ``loss`` the way the case asks; accumulate into ``.grad`` either way.
 
     With ``autograd-grad``, the gradients ``torch.autograd.grad`` returns are added into
@@ -321,7 +326,8 @@ def _ask_gradients(mode: str, loss: Tensor, params: list[tuple[str, nn.Parameter
             loss.backward()  # type: ignore[no-untyped-call]  # untyped in torch
         return set()
     named: list[tuple[str, Tensor]] = [(f"param:{n}", p) for n, p in params if p.requires_grad]
-    named += [(f"input:model:arg{i}", t) for i, t in enumerate(inputs)
+    labels = input_names or [f"arg{i}" for i in range(len(inputs))]
+    named += [(f"input:model:{label}", t) for label, t in zip(labels, inputs)
               if t is not None and t.requires_grad]
     before = {name: None if t.grad is None else t.grad.clone() for name, t in named}
     with watching:
@@ -380,18 +386,16 @@ def _copy_state(state: dict[str, Any]) -> dict[str, Any]:
 
 
 def _main_output(outputs: Any) -> Tensor:
-    """The tensor the outputs property compares: the output itself, or a structured output's
-    ``logits`` (transformers), or its first tensor."""
-    if isinstance(outputs, Tensor):
-        return outputs
-    logits = outputs.get("logits") if isinstance(outputs, dict) else None
-    if isinstance(logits, Tensor):
-        return logits
-    values = outputs.values() if isinstance(outputs, dict) else outputs
-    first = next((v for v in values if isinstance(v, Tensor)), None)
-    if first is None:
-        raise TypeError(f"the model returned {type(outputs).__name__} with no tensor in it")
-    return first
+    """The tensor the outputs property compares (:func:`.outputs.main_output`)."""
+    return main_output(outputs)
+
+
+def _input_names(model: nn.Module, inputs: tuple[Tensor | None, ...]) -> list[str]:
+    """How the model's inputs are named in gradients: ``arg0``, ... for positional ones, the
+    keyword for those a user's model takes by keyword (``ExternalModel.input_keys``)."""
+    keys = tuple(getattr(model, "input_keys", ()))
+    k = len(inputs) - len(keys)
+    return [f"arg{i}" for i in range(k)] + list(keys)
 
 
 def _forward(path: PreparedPath, call: nn.Module, measure: bool,
@@ -410,18 +414,16 @@ def _forward(path: PreparedPath, call: nn.Module, measure: bool,
     return outputs, loss, counter.held_bytes_by_device(ignore=[outputs, loss])
 
 
-def _counted_modules(model: nn.Module, segments: list[Segment]) -> dict[str, nn.Module]:
-    """The modules whose runs prove each segment ran, by their names in the model."""
-    names = {id(m): n for n, m in user_view(model).named_modules()}
-    return {names.get(id(module), segment.name): module
+def _counted_modules(names: UserNames, segments: list[Segment]) -> dict[str, nn.Module]:
+    """The modules whose runs prove each segment ran, by their names in the user's model."""
+    return {names.module(module, segment.name): module
             for segment in segments for module in segment.counted}
 
 
-def _segment_of(model: nn.Module, segments: list[Segment]) -> dict[str, str]:
+def _segment_of(names: UserNames, segments: list[Segment]) -> dict[str, str]:
     """Each counted module's segment (a group's layers are one segment), by the names
     ``_counted_modules`` gives them."""
-    names = {id(m): n for n, m in user_view(model).named_modules()}
-    return {names.get(id(module), segment.name): segment.name
+    return {names.module(module, segment.name): segment.name
             for segment in segments for module in segment.counted}
 
 
@@ -521,6 +523,7 @@ def _record(
     model: nn.Module, params: list[tuple[str, nn.Parameter]], inputs: tuple[Tensor | None, ...],
     kept: list[Tensor], grads_in: dict[str, Tensor], calls: dict[str, list[int]],
     device: torch.device, touched: list[str], left: int | None,
+    names: UserNames | None = None,
 ) -> StepRecord:
     """Keep this step's observations; ``kept``: loss and main output of each micro-batch.
 
@@ -533,9 +536,9 @@ def _record(
     grads: dict[str, Tensor | None] = {
         f"param:{n}": None if p.grad is None else p.grad.detach() for n, p in params
     }
-    for i, t in enumerate(inputs):
+    for label, t in zip(_input_names(model, inputs), inputs):
         if t is not None and t.requires_grad:
-            grads[f"input:model:arg{i}"] = None if t.grad is None else t.grad.detach()
+            grads[f"input:model:{label}"] = None if t.grad is None else t.grad.detach()
     grads.update(grads_in)
     rng = _rng_states(device)
     losses, outputs = kept[0::2], kept[1::2]
@@ -543,7 +546,8 @@ def _record(
         loss=losses[0] if len(losses) == 1 else torch.stack(losses).sum(),
         outputs=outputs[0] if len(outputs) == 1 else _join(outputs),
         grads=grads,
-        buffers={n: b.detach().clone() for n, b in user_view(model).named_buffers()},
+        buffers={n: b.detach().clone() for n, b in (
+            names or UserNames(model)).buffers()},
         rng=rng,
         calls={n: list(c) for n, c in calls.items()},
         touched=touched,

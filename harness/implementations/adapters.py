@@ -3,14 +3,17 @@
 ``function``: ``impl(function, *args, **kwargs)``, torch.utils.checkpoint's
 calling convention, called where the model would call the segment.
 ``wrapper``: ``impl(module) -> module``, applied once per selected segment.
-``toggle``: ``impl(model)``; the model turns recompute on itself for the
-segments the harness selected (HF's ``gradient_checkpointing_enable``).
+``toggle``: ``impl(model)``, given the user's own model (never gradequiv's wrapper of
+it); the model turns recompute on itself (HF's ``gradient_checkpointing_enable``). A
+toggle with a ``segments`` parameter is handed the selected segments' dotted names; one
+without chooses its own segments (:attr:`Implementation.chooses_segments`).
 Turning a SPEC into one of these is :mod:`.resolve`'s job.
 """
 
 from __future__ import annotations
 
 import functools
+import inspect
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, cast
@@ -23,7 +26,7 @@ from gradequiv.harness.implementations.torch_builtins import OFFLOAD, SELECTIVE
 from gradequiv.harness.options import ADAPTERS
 from gradequiv.models import Segment
 from gradequiv.models.kinds import CASE_FEATURES, GRAD_MODES, OPT_IN_GRAD_MODES
-from gradequiv.models.segments import Router
+from gradequiv.models.segments import Router, user_view
 
 if TYPE_CHECKING:
     from gradequiv.harness.implementations.compiled import CompileSpec
@@ -40,6 +43,13 @@ class Implementation:
     kwargs: dict[str, Any] = field(default_factory=dict)
     compiled: CompileSpec | None = None  # set for the compile-... SPECs
     default_adapter: str = "function"  # the adapter SPEC implies: not repeated in commands
+
+    @property
+    def chooses_segments(self) -> bool:
+        """Whether it is a toggle that picks the segments itself: one that takes no
+        ``segments`` argument, so a user's model is checkpointed where the toggle says
+        (its cases' granularity is "the toggle's")."""
+        return self.adapter == "toggle" and not takes_segments(self.target)
 
     @property
     def offloads(self) -> bool:
@@ -121,8 +131,10 @@ class Implementation:
             for s in segments:  # the segment's module itself, as users wrap their layers
                 wrapped = self.target(s.module, **self.kwargs)
                 router.enable(functools.partial(_call_wrapped, wrapped), [s.module])
-        else:
-            self.target(model, **self.kwargs)
+        else:  # the user's own model; the selected segments where the toggle takes them
+            chosen = {"segments": [s.name for s in segments]} \
+                if takes_segments(self.target) else {}
+            self.target(user_view(model), **chosen, **self.kwargs)
 
     def command_args(self) -> list[str]:
         """The command-line options that name this implementation again."""
@@ -132,6 +144,16 @@ class Implementation:
         for key, value in self.kwargs.items():
             args += ["--impl-kwarg", f"{key}={_format_value(value)}"]
         return args
+
+
+def takes_segments(target: Callable[..., Any]) -> bool:
+    """Whether a toggle names a ``segments`` parameter (handed the selected names)."""
+    try:
+        parameter = inspect.signature(target).parameters.get("segments")
+    except (TypeError, ValueError):
+        return False
+    return parameter is not None and parameter.kind in (
+        inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
 
 
 def _call_wrapped(wrapped: Callable[..., Any], _function: Callable[..., Any], /, *args: Any,

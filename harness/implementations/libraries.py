@@ -176,25 +176,25 @@ HF_NEEDS_MODEL = (
     "gradequiv.models.hf:llama (or :gpt2, or a factory of your own PreTrainedModel)")
 
 
-def hf_gradient_checkpointing(model: nn.Module, **checkpoint_kwargs: Any) -> None:
+def hf_gradient_checkpointing(model: nn.Module, *, segments: list[str] | None = None,
+                              **checkpoint_kwargs: Any) -> None:
     """``model.gradient_checkpointing_enable()`` of a transformers model, as users call it;
     ``--impl-kwarg`` options become its ``gradient_checkpointing_kwargs`` (non-reentrant
     unless ``use_reentrant=true``).
 
-    transformers turns recompute on for every decoder layer; the layers the
-    harness did not select are turned back off, so ``every:2`` means every
-    second layer here too. The model comes from ``--model`` (a factory of a
-    ``PreTrainedModel``, e.g. ``gradequiv.models.hf:llama``).
+    transformers turns recompute on for every checkpointing layer; those not among
+    ``segments`` (the selected segments' dotted names) are turned back off, so ``every:2``
+    means every second layer here too. The model comes from ``--model`` (a factory of a
+    ``PreTrainedModel`` or a PEFT model of one, e.g. ``gradequiv.models.hf:llama``).
     """
     layers = _library("hf", "transformers.modeling_layers")
-    inner = getattr(model, "inner", model)
-    enable = getattr(inner, "gradient_checkpointing_enable", None)
-    if enable is None or not hasattr(inner, "config"):
+    enable = getattr(model, "gradient_checkpointing_enable", None)
+    if enable is None or not hasattr(model, "config"):
         raise InvalidArgument(HF_NEEDS_MODEL)
     enable(gradient_checkpointing_kwargs={"use_reentrant": False, **checkpoint_kwargs})
-    selected = getattr(model, "selected", None)
-    chosen = {id(m) for m in selected()} if selected is not None else None
-    for module in inner.modules():
-        if isinstance(module, layers.GradientCheckpointingLayer) and chosen is not None \
-                and id(module) not in chosen:
+    if segments is None:
+        return
+    chosen = {id(model.get_submodule(name)) for name in segments}
+    for module in model.modules():
+        if isinstance(module, layers.GradientCheckpointingLayer) and id(module) not in chosen:
             module.gradient_checkpointing = False
