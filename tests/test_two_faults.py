@@ -83,3 +83,16 @@ def test_one_fault_is_named_once(switches: tuple[str, ...], case: str) -> None:
     drawing from the caller's stream moves that stream too."""
     diagnosis = _diagnosed(switches, find_case(case))
     assert diagnosis.also == [], diagnosis.sentence
+
+
+def test_statistics_that_follow_a_differing_forward_are_not_a_second_fault() -> None:
+    """Only the RNG not restored, on running statistics over two micro-batches: the second
+    micro-batch's forward draws from the stream the re-run moved, so its running mean
+    differs, with every counter equal to full storage's. One cause, the RNG's."""
+    case = Case(model=TransformerConfig(
+        n_layer=1, n_embd=4, n_head=1, embd_dropout=0.3, attn_dropout=0.3, resid_dropout=0.3,
+        mlp_dropout=0.3, running_stats=True), batch=BatchConfig(1, 1), dtype="bf16-autocast",
+        grad_mode="accumulate")
+    diagnosis = _diagnosed(("no_rng_restore", "caller_stream_moved"), case)
+    assert diagnosis.cause == "rng-not-restored", diagnosis.sentence
+    assert diagnosis.also == [], diagnosis.sentence

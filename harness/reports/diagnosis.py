@@ -106,7 +106,8 @@ def _further_faults(cause: str, failure: dict[str, Any], record: dict[str, Any] 
                 f"drew other numbers than the forward's")))
         else:
             found.append(("rng-stream-moved", _stream_moved(story, texts, step1=False)))
-    if "buffers" in failing and cause not in _BUFFER_CAUSES:
+    if "buffers" in failing and cause not in _BUFFER_CAUSES \
+            and not _statistics_follow_forward(failure, record, cause):
         found.append(_buffers(record, texts))
     if "recompute" in failing and cause not in _MEMORY_CAUSES:
         other, sentence = _cause({**failure, "property": "recompute",
@@ -137,6 +138,19 @@ def _grads_dropped(missing: str) -> str:
             f"({missing.split(':')[0]}): the checkpoint does not pass gradients back to every "
             f"input that requires grad (a keyword argument, a part of a tuple, a detached "
             f"input)")
+
+
+def _statistics_follow_forward(failure: dict[str, Any], record: dict[str, Any] | None,
+                               cause: str) -> bool:
+    """Whether buffers that differ are the headline's doing: every counter agrees with full
+    storage's (so no update ran twice or was missed), and the headline cause is a forward
+    that differs (a re-run op parted, or the stream moved), whose statistics differ with it.
+    A counter ahead or behind is a fault of its own."""
+    counters = [c for p in (record or {}).get("properties", []) if p["name"] == "buffers"
+                for c in p.get("checks", []) if c.get("counts")]
+    if any(c["counts"][0] != c["counts"][1] for c in counters):
+        return False
+    return bool(failure.get("first_diverging_op")) or cause in _STREAM_CAUSES
 
 
 def _buffers(record: dict[str, Any] | None, texts: dict[str, list[str]]) -> tuple[str, str]:
