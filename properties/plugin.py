@@ -293,6 +293,18 @@ class _SuiteModule(pytest.Module):
         return importlib.import_module(_SUITE)
 
 
+def _why_failed(longrepr: str) -> str:
+    """The line of a failed test's report that says what was raised: not Hypothesis's
+    advice on reproducing the example ("You can reproduce this test case by ..."), which
+    names nobody's mistake."""
+    from gradequiv.harness.errors import exception_line
+
+    lines = [line.removeprefix("E").strip() for line in longrepr.splitlines()]
+    kept = [line for line in lines if line and "reproduce_failure" not in line
+            and not line.startswith(("You can reproduce", "Falsifying example"))]
+    return exception_line("\n".join(kept))
+
+
 def pytest_pycollect_makemodule(module_path: Path, parent: pytest.Collector) -> Any:
     if module_path.name == "test_recompute.py" and module_path.parent == Path(__file__).parent:
         return _SuiteModule.from_parent(parent, path=module_path)
@@ -412,6 +424,8 @@ class _Gatherer:
         from gradequiv.harness.reports.files import claim_report_dir, run_identity
 
         runtime.RUN.identity = run_identity()
+        if runtime.RUN.observer is not None:
+            return  # a supervisor claimed the folder, and wrote its starting report there
         try:
             claim_report_dir(report_dir)
         except InvalidArgument as exc:
@@ -437,8 +451,7 @@ class _Gatherer:
             self._explain(failure)
             self.failures.append(failure)
         if report.failed and not found:  # no verdict to show: say why it failed
-            lines = str(report.longrepr).strip().splitlines()
-            self.errors[test] = lines[-1] if lines else report.outcome
+            self.errors[test] = _why_failed(str(report.longrepr)) or report.outcome
         if report.when == "call" or report.failed:
             self.outcomes[test] = report.outcome
         if report.when == "teardown" and self._writes_report():
@@ -469,7 +482,7 @@ class _Gatherer:
         if not self.outcomes:
             return
         from gradequiv.harness.reports.report import distinct_cases
-        from gradequiv.harness.reports.terminal import summary_lines
+        from gradequiv.harness.reports.terminal import headline_lines, summary_lines
 
         write = terminalreporter.write_line
         terminalreporter.section("gradequiv")
@@ -480,11 +493,8 @@ class _Gatherer:
         write(f"{len(kept)} case(s) verified{tried}, {failing} failing; "
               f"{passed} of {len(self.outcomes)} property tests passed")
         failed = self.failures or any(o != "passed" for o in self.outcomes.values())
-        headline = next((f["diagnosis"]["sentence"] for f in self.failures
-                         if f.get("diagnosis")), "")
-        if headline:
-            write(f"likely cause: {headline}")
-        for line in summary_lines(self.failures, self.errors):
+        for line in [*headline_lines(self.failures), *summary_lines(self.failures,
+                                                                  self.errors)]:
             write(line)
         if runtime.RUN.options.report_dir is not None:
             write(f"report: {runtime.RUN.options.report_dir / 'report.json'}")

@@ -62,11 +62,45 @@ def test_an_exit_mid_run_fails_and_keeps_every_finished_case(tmp_path: Path) -> 
     assert "**Incomplete**" in (tmp_path / "report.md").read_text()  # rendered again
 
 
-def test_an_exit_at_the_first_call_fails_without_a_report(tmp_path: Path) -> None:
+def test_an_exit_at_the_first_call_leaves_a_report_with_no_case(tmp_path: Path) -> None:
+    """report.json is written from the first moment: an end before any case finished
+    still leaves one, incomplete, failing, with the line that ended the run."""
     done = _check("--impl", "wrong_impls:exits_quietly", *ONE, "--report-dir", str(tmp_path))
     assert done.returncode == 1, done.stderr
     assert "the implementation ended the process during 1L x 16w" in done.stderr
-    assert not (tmp_path / "report.json").exists()  # the gate reads that as no pass
+    report = _report(tmp_path)
+    assert report["complete"] is False and report["verdict"] == "fail"
+    assert report["cases"] == [] and report["summary"]["run"] == 0
+    assert report["failure"]["property"] == "process"
+    assert report["failure"]["message"].startswith(
+        "the implementation ended the process during 1L x 16w")
+    assert main(["report", str(tmp_path), "--format", "md", "--fail-on-verdict"]) == 1
+
+
+def test_a_hang_in_the_first_case_leaves_a_report_with_the_line(tmp_path: Path) -> None:
+    done = _check("--impl", "wrong_impls:hangs", *ONE, "--case-timeout", "3",
+                  "--report-dir", str(tmp_path), timeout=300)
+    assert done.returncode == 1, done.stderr
+    report = _report(tmp_path)
+    assert report["complete"] is False and report["verdict"] == "fail" and not report["cases"]
+    assert report["failure"]["message"].startswith("the implementation hung during 1L x 16w")
+    assert "(--case-timeout)" in report["failure"]["message"]
+
+
+def test_a_run_killed_before_its_child_started_has_a_report_already(tmp_path: Path) -> None:
+    """The supervisor writes report.json before the child exists: a SIGKILL to the whole
+    run at any moment leaves a valid report that is no pass."""
+    from gradequiv.harness.options import check_options
+    from gradequiv.harness.reports.bundle import load_bundle
+    from gradequiv.harness.reports.report import starting_report
+
+    options = check_options(impl="torch", report_dir=tmp_path, profile="ci")
+    report = starting_report(options, {"id": "x", "started": "now", "command": "gradequiv",
+                                       "pid": 1})
+    (tmp_path / "report.json").write_text(json.dumps(report))
+    bundle = load_bundle(tmp_path)  # valid against the schema, its verdict consistent
+    assert bundle.verdict == "fail" and bundle.report is not None
+    assert bundle.report["complete"] is False
 
 
 def test_a_kill_mid_run_names_the_signal(tmp_path: Path) -> None:
@@ -213,7 +247,7 @@ def test_sigterm_reaches_the_child_which_keeps_its_finished_cases(tmp_path: Path
                           cwd=TESTS, env=env, stdout=subprocess.DEVNULL,
                           stderr=subprocess.PIPE, text=True) as run:
         deadline = time.monotonic() + 300
-        while time.monotonic() < deadline and not (folder / "report.json").exists():
+        while time.monotonic() < deadline and not _has_cases(folder):  # written from the start
             time.sleep(0.2)
         marker.touch()
         time.sleep(2)
@@ -223,6 +257,41 @@ def test_sigterm_reaches_the_child_which_keeps_its_finished_cases(tmp_path: Path
     report = _report(folder)
     assert report["complete"] is False and report["verdict"] == "fail"
     assert report["cases"]
+
+
+@pytest.mark.parametrize("how", [signal.SIGTERM, signal.SIGINT], ids=["sigterm", "sigint"])
+def test_a_stop_ends_a_child_that_ignores_signals(tmp_path: Path, how: signal.Signals) -> None:
+    """An implementation that ignores SIGINT and SIGTERM and works on: the run still stops
+    (its child killed after the grace), exit 130, the report incomplete, never a pass."""
+    marker = tmp_path / "ignoring-now"
+    env = dict(os.environ, PYTHONPATH=str(TESTS), GRADEQUIV_TEST_MARKER=str(marker))
+    folder = tmp_path / "report"
+    with subprocess.Popen([str(GRADEQUIV), "check", "--impl", "wrong_impls:ignores_stop_signals",
+                           *ONE, "--report-dir", str(folder)],
+                          cwd=TESTS, env=env, stdout=subprocess.DEVNULL,
+                          stderr=subprocess.PIPE, text=True) as run:
+        try:
+            deadline = time.monotonic() + 300
+            while time.monotonic() < deadline and not marker.exists():
+                assert run.poll() is None
+                time.sleep(0.1)
+            run.send_signal(how)
+            _, err = run.communicate(timeout=120)  # the implementation sleeps 600 s
+        finally:
+            run.kill()
+    assert run.returncode == 130, err
+    assert f"gradequiv: interrupted: the run was interrupted ({how.name}) during 1L x 16w" in err
+    assert "did not stop within 5 s of the signal and was killed" in err
+    report = _report(folder)
+    assert report["complete"] is False and report["verdict"] == "fail"
+    assert report["failure"]["message"].startswith(f"the run was interrupted ({how.name})")
+
+
+def _has_cases(folder: Path) -> bool:
+    try:
+        return bool(_report(folder)["cases"])
+    except (OSError, ValueError):
+        return False
 
 
 def test_a_usage_error_found_in_the_child_is_exit_2_in_one_line(tmp_path: Path) -> None:

@@ -7,6 +7,7 @@ pytest puts this folder on sys.path.
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import os
 from collections import Counter
@@ -375,3 +376,32 @@ def prints_and_fails(fn: Any, *args: Any, **kwargs: Any) -> Any:
     print(f"debug: checkpointing {getattr(fn, '__qualname__', fn)}")
     print("debug: about to recompute", file=sys.stderr)
     return _checkpoint(fn, *args, preserve_rng_state=False, **kwargs)
+
+
+def ignores_stop_signals(fn: Any, *args: Any, **kwargs: Any) -> Any:
+    """Ignores SIGINT and SIGTERM, says it has (touches GRADEQUIV_TEST_MARKER), then works
+    for ten minutes: a run asked to stop must stop it all the same."""
+    import signal
+    import time
+    from pathlib import Path
+
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    marker = os.environ.get("GRADEQUIV_TEST_MARKER")
+    if marker:
+        Path(marker).touch()
+    time.sleep(600)
+    return _checkpoint(fn, *args, **kwargs)
+
+
+def closes_its_streams(fn: Any, *args: Any, **kwargs: Any) -> Any:
+    """Closes the process's standard output and error (file descriptors 1 and 2), as a
+    daemonising library does, then checkpoints correctly."""
+    import sys
+
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(Exception):
+            stream.flush()
+    os.close(1)
+    os.close(2)
+    return _checkpoint(fn, *args, **kwargs)

@@ -101,11 +101,13 @@ def _run(options: CheckOptions, observer: Any) -> int:
         check_model(options.model)
     elif impl.spec == "hf" and (case is None or case.model_kind != EXTERNAL):
         raise InvalidArgument(HF_NEEDS_MODEL)
+    _refuse_failed_imports(impl, options, case, device)
     Tolerance("fp32", options.rtol, options.atol)
     with contextlib.ExitStack() as stack:
-        if options.report_dir is not None:
-            if observer is None:  # a supervisor holds the folder's lock for its child
-                stack.enter_context(lock_report_dir(options.report_dir, run_identity()))
+        # A supervisor holds the folder's lock for its child, and has claimed it and written
+        # the starting report.json there already.
+        if options.report_dir is not None and observer is None:
+            stack.enter_context(lock_report_dir(options.report_dir, run_identity()))
             claim_report_dir(options.report_dir)
         code = _run_suite(options, impl, device, observer)
         if options.report_dir is not None:
@@ -190,6 +192,22 @@ def _run_suite(options: CheckOptions, impl: Any, device: Any, observer: Any) -> 
     return {0: EXIT_PASS, 1: EXIT_FAIL, 2: EXIT_INTERRUPTED}.get(code, EXIT_USAGE)
 
 
+def _refuse_failed_imports(impl: Any, options: CheckOptions, case: Any, device: Any) -> None:
+    """An implementation that cannot import what it needs when applied (a toggle importing
+    its library in its body) is exit 2, whatever the adapter, not a raise in every case."""
+    from gradequiv.harness.engine.case import Case
+    from gradequiv.harness.engine.probe import import_problem
+    from gradequiv.models import ExternalConfig
+
+    if impl.compiled is not None:  # compiling a probe costs more than the cases' first raise
+        return
+    if case is None:
+        case = Case(model=ExternalConfig(options.model)) if options.model else Case()
+    problem = import_problem(impl, case, device)
+    if problem is not None:
+        raise InvalidArgument(problem)
+
+
 def check_model(spec: str) -> None:
     """Build the user's model, then twice more to compare: a factory that cannot build, or
     builds differently from one seed (a noise floor that would fail or hide recompute's
@@ -207,6 +225,69 @@ def check_model(spec: str) -> None:
     except Exception as exc:
         raise InvalidArgument(f"--model={spec!r}: the factory raised {type(exc).__name__}: "
                               f"{exc}") from exc
+    problem = full_storage_problem(spec)
+    if problem is not None:
+        raise InvalidArgument(problem)
+
+
+def full_storage_problem(spec: str) -> str | None:
+    """One training step of the user's model on full storage (no recompute, fp32, CPU):
+    what makes it no model to check (None: nothing). A loss that is no tensor, a loss_fn
+    that cannot take the model's outputs, a loss or gradients that are NaN or inf (nothing
+    could be compared: NaN equals nothing) are the factory's, said before any case."""
+    import torch
+
+    from gradequiv.models import ExternalConfig
+    from gradequiv.models.external import seeded_user_model
+
+    built = seeded_user_model(ExternalConfig(spec), 0)
+    name = f"--model={spec!r}"
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        try:
+            outputs = built.model(*built.positional, **built.keywords)
+        except Exception as exc:
+            return (f"{name}: its model raised in a forward on its own inputs, without "
+                    f"recompute: {type(exc).__name__}: {exc}; fix the model or its inputs")
+        try:
+            loss = built.loss_fn(outputs, built.targets)
+        except Exception as exc:
+            return (f"{name}: its loss_fn raised on the model's outputs ({_shape(outputs)}), "
+                    f"without recompute: {type(exc).__name__}: {exc}; make loss_fn take "
+                    f"what the model returns")
+        if not isinstance(loss, torch.Tensor):
+            return (f"{name}: its loss_fn returned {type(loss).__name__} {loss!r:.60}, not a "
+                    f"tensor; return the loss as a 0-dim tensor (e.g. F.cross_entropy(...), "
+                    f"not float(...) or .item())")
+        if loss.numel() != 1 or not loss.requires_grad:
+            why = "needs no gradient" if loss.numel() == 1 else f"has shape {list(loss.shape)}"
+            return (f"{name}: its loss_fn returned a tensor that {why}; return one number "
+                    f"that backward can start from (a mean or sum of the model's outputs)")
+        if not torch.isfinite(loss.detach()).all():
+            return (f"{name}: its loss is {loss.item()} on full storage, without recompute: "
+                    f"nothing could be compared (NaN equals nothing); fix the model or its "
+                    f"inputs so that one training step gives a finite loss")
+        try:
+            loss.backward()
+        except Exception as exc:
+            return (f"{name}: backward from its loss raised, without recompute: "
+                    f"{type(exc).__name__}: {exc}; fix the model")
+    grads = [(n, p.grad) for n, p in built.model.named_parameters() if p.grad is not None]
+    if grads and not any(bool(torch.isfinite(g).any()) for _, g in grads):
+        first, grad = grads[0]
+        return (f"{name}: every gradient is non-finite on full storage, without recompute "
+                f"(grad of {first} holds {grad.reshape(-1)[0].item()}): nothing could be "
+                f"compared; fix the model or its inputs")
+    return None
+
+
+def _shape(value: Any) -> str:
+    """What a model returned, in a few words: a tensor's dtype and shape, else its type."""
+    import torch
+
+    if isinstance(value, torch.Tensor):
+        return f"a {str(value.dtype).removeprefix('torch.')} tensor of shape {list(value.shape)}"
+    return type(value).__name__
 
 
 def run_suite(suite_run: SuiteRun, pytest_args: list[str]) -> int:

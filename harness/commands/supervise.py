@@ -16,7 +16,13 @@ replay, a localisation) and, last, the exit code it chose. This process:
   case that finished (incomplete, failing) and exits 1; a hung child is
   stopped with :data:`HANG_SIGNAL`, which ends it quietly;
 - forwards SIGINT and SIGTERM to the child, which writes its report as an
-  interrupted run does.
+  interrupted run does; a child that has not ended :data:`STOP_GRACE_S` seconds
+  later (it ignores the signals, or its implementation works on) is killed
+  with its process group, and the report keeps what finished with the
+  interruption as its failure. Either way the run exits 130, never a pass.
+
+report.json is written from the first moment, before the child starts
+(incomplete, no case), so a run that ends at any point leaves one.
 
 No torch here: the child imports it. ``--in-process`` runs without a child.
 """
@@ -36,7 +42,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from gradequiv.harness.errors import EXIT_FAIL
+from gradequiv.harness.errors import EXIT_FAIL, EXIT_INTERRUPTED, EXIT_USAGE
 from gradequiv.harness.options import CheckOptions
 
 #: environment of the child: the pipe's write end, and the run's identity (id, start,
@@ -52,6 +58,9 @@ STOP_GRACE_S = 5.0
 #: the signal that stops a child that hung: it exits at once, quietly (SIGTERM would read as
 #: an interruption: pytest's "KeyboardInterrupt", "interrupted")
 HANG_SIGNAL = signal.SIGUSR1
+#: seconds the supervisor waits on the child's pipe at most before it looks again (at a
+#: stop request, a deadline)
+POLL_S = 0.5
 #: the least time the child's start-up (importing torch and the implementation, collecting
 #: the suite) gets before its first case, whatever the case timeout: minutes on a busy machine
 STARTUP_S = 120.0
@@ -59,17 +68,32 @@ STARTUP_S = 120.0
 
 def run(options: CheckOptions, argv: list[str], *, case_timeout: float) -> int:
     """Run ``gradequiv check ARGV --in-process`` as a child and decide its exit code."""
-    from gradequiv.harness.reports.files import claim_report_dir, lock_report_dir, run_identity
+    from gradequiv.harness.reports.files import (
+        REPORT_FILE,
+        claim_report_dir,
+        lock_report_dir,
+        run_identity,
+        write_json_atomic,
+    )
+    from gradequiv.harness.reports.report import starting_report
 
     identity = run_identity()
+    starting = starting_report(options, identity)
     with contextlib.ExitStack() as stack:
         if options.report_dir is not None:
             stack.enter_context(lock_report_dir(options.report_dir, identity))
             claim_report_dir(options.report_dir)
+            # From the first moment: a hang or a kill before the first case still leaves a
+            # report, incomplete, that says what ended the run.
+            write_json_atomic(options.report_dir / REPORT_FILE, starting)
         child = _Child([*argv, "--in-process"], identity)
-        stack.enter_context(_forwarding_signals(child.process))
+        stack.enter_context(_forwarding_signals(child))
         ended = child.watch(case_timeout)
+    if child.interrupted is not None:
+        return _interrupted(options.report_dir, child, ended)
     if ended is None:
+        if child.code == EXIT_USAGE and options.report_dir is not None:
+            _drop_untouched(options.report_dir / REPORT_FILE, starting)
         return child.code
     # The child's progress dots may have left its line open: the verdict starts a new one.
     print(flush=True)
@@ -78,6 +102,46 @@ def run(options: CheckOptions, argv: list[str], *, case_timeout: float) -> int:
     print(f"gradequiv: {len(child.records)} case(s) finished before it; {kept}",
           file=sys.stderr)
     return EXIT_FAIL
+
+
+def _interrupted(report_dir: Path | None, child: _Child, ended: str | None) -> int:
+    """The run was asked to stop (SIGINT, SIGTERM): exit 130, never a pass. A child that
+    stopped as asked wrote its own incomplete report; otherwise (it went on, ignored the
+    signal, or was killed) the report keeps what finished with the interruption as its
+    failure."""
+    name = signal.Signals(child.interrupted or signal.SIGINT).name
+    if ended is None and child.code == EXIT_INTERRUPTED and _report_says_incomplete(
+            report_dir):
+        return EXIT_INTERRUPTED
+    print(flush=True)
+    how = ended or f"it ended with exit code {child.code} after the signal"
+    message = f"the run was interrupted ({name}) during {child.where}: {how}"
+    print(f"gradequiv: interrupted: {message}", file=sys.stderr)
+    kept = _write_ended_report(report_dir, child, message)
+    print(f"gradequiv: {len(child.records)} case(s) finished before it; {kept}",
+          file=sys.stderr)
+    return EXIT_INTERRUPTED
+
+
+def _report_says_incomplete(report_dir: Path | None) -> bool:
+    """Whether report.json (when there is a folder) is marked incomplete with a failure."""
+    if report_dir is None:
+        return True
+    from gradequiv.harness.reports.files import REPORT_FILE
+
+    try:
+        report = json.loads((report_dir / REPORT_FILE).read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return False
+    return report.get("complete") is False and report.get("failure") is not None
+
+
+def _drop_untouched(path: Path, starting: dict[str, Any]) -> None:
+    """Remove the starting report.json a run that never began left (a usage error found
+    in the child): no case ran, so no report speaks for it."""
+    with contextlib.suppress(OSError, ValueError):
+        if json.loads(path.read_text(encoding="utf-8")) == starting:
+            path.unlink()
 
 
 class _Child:
@@ -101,8 +165,19 @@ class _Child:
         self.during: dict[str, Any] | None = None
         self.phase: str | None = None
         self.code: int = EXIT_FAIL
+        #: the signal that asked the run to stop, and when (None: nobody asked)
+        self.interrupted: int | None = None
+        self._interrupted_at = 0.0
         self._said_done = False
         self._buffer = b""
+
+    def interrupt(self, signum: int) -> None:
+        """Pass a stop request on to the child; from the first, it has
+        :data:`STOP_GRACE_S` seconds to end before it is killed."""
+        if self.interrupted is None:
+            self.interrupted, self._interrupted_at = signum, time.monotonic()
+        with contextlib.suppress(ProcessLookupError):
+            self.process.send_signal(signum)
 
     def watch(self, case_timeout: float) -> str | None:
         """Follow the child to its end: None when it ended as it said it would, else how
@@ -111,9 +186,11 @@ class _Child:
             hung = self._follow(case_timeout)
         finally:
             os.close(self.read)
+        if self.interrupted is not None:
+            return self._end_interrupted()
         if hung:
             self._stop(HANG_SIGNAL)
-            return (f"the implementation hung during {self._where()}: nothing finished in "
+            return (f"the implementation hung during {self.where}: nothing finished in "
                     f"{case_timeout:g} s (--case-timeout); the process was stopped")
         if self._said_done:
             try:
@@ -130,19 +207,54 @@ class _Child:
         status = self.process.wait()
         how = (f"killed by {signal.Signals(-status).name}" if status < 0 else
                f"exit status {status}, without finishing the run (os._exit or a crash?)")
-        return f"the implementation ended the process during {self._where()}: {how}"
+        return f"the implementation ended the process during {self.where}: {how}"
+
+    def _end_interrupted(self) -> str | None:
+        """After a stop request: the child's end within the grace, else its kill. None when
+        it ended as it said it would."""
+        left = STOP_GRACE_S - (time.monotonic() - self._interrupted_at)
+        try:
+            self.process.wait(max(0.0, left))
+        except subprocess.TimeoutExpired:
+            self._kill_group()
+            return (f"the checking process did not stop within {STOP_GRACE_S:g} s of the "
+                    f"signal and was killed")
+        if self._said_done:
+            return None
+        status = self.process.returncode
+        return (f"the checking process was killed by {signal.Signals(-status).name}"
+                if status < 0 else
+                f"the checking process ended with exit status {status} without its verdict")
+
+    def _kill_group(self) -> None:
+        """SIGKILL to the child and whatever it started in its process group."""
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(self.process.pid, signal.SIGKILL)
+        with contextlib.suppress(ProcessLookupError):
+            self.process.kill()
+        self.process.wait()
 
     def _follow(self, case_timeout: float) -> bool:
-        """Read events until the pipe closes; True when nothing came for too long."""
+        """Read events until the pipe closes; True when nothing came for too long. A stop
+        request ends the reading once the child has had its grace to stop."""
         deadline = time.monotonic() + max(case_timeout, STARTUP_S) if case_timeout else None
         while True:
             wait = None if deadline is None else max(0.0, deadline - time.monotonic())
+            if self.interrupted is not None:
+                left = STOP_GRACE_S - (time.monotonic() - self._interrupted_at)
+                if left <= 0:
+                    return False
+                wait = left if wait is None else min(wait, left)
+            # Woken often: a signal's handler runs between two waits, not inside one.
+            wait = POLL_S if wait is None else min(wait, POLL_S)
             try:
                 ready, _, _ = select.select([self.read], [], [], wait)
             except InterruptedError:  # a forwarded signal; go on reading
                 continue
             if not ready:
-                return True
+                if deadline is not None and time.monotonic() >= deadline:
+                    return True
+                continue
             chunk = os.read(self.read, 1 << 16)
             if not chunk:
                 return False
@@ -164,7 +276,9 @@ class _Child:
         elif kind == "end":
             self.code, self._said_done = int(event["code"]), True
 
-    def _where(self) -> str:
+    @property
+    def where(self) -> str:
+        """What the child was doing: its phase, its case, or its start-up."""
         if self.phase is not None:
             return self.phase
         if self.during is not None:
@@ -203,12 +317,12 @@ def _write_ended_report(report_dir: Path | None, child: _Child, ended: str) -> s
 
 
 @contextlib.contextmanager
-def _forwarding_signals(process: subprocess.Popen[bytes]) -> Iterator[None]:
+def _forwarding_signals(child: _Child) -> Iterator[None]:
     """SIGINT and SIGTERM go to the child (in its own process group, it hears them once,
-    from here), which then writes its report as an interrupted run."""
+    from here), which then writes its report as an interrupted run, or is killed after
+    :data:`STOP_GRACE_S` seconds if it does not stop."""
     def forward(signum: int, frame: Any) -> None:
-        with contextlib.suppress(ProcessLookupError):
-            process.send_signal(signum)
+        child.interrupt(signum)
 
     previous = {s: signal.signal(s, forward) for s in (signal.SIGINT, signal.SIGTERM)}
     try:

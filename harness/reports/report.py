@@ -8,6 +8,7 @@ finished, marked ``"complete": false``, and never a half-written file.
 from __future__ import annotations
 
 import math
+import os
 import platform
 import shlex
 from dataclasses import asdict
@@ -16,6 +17,7 @@ from typing import TYPE_CHECKING, Any
 
 from gradequiv.harness.options import CheckOptions
 from gradequiv.harness.reports.diagnosis import diagnose
+from gradequiv.harness.reports.findings import distinct_faults
 
 if TYPE_CHECKING:  # torch is imported on use: a supervisor writes reports without it
     import torch
@@ -210,6 +212,7 @@ def assemble_check_report(
                     "failed": len(failed), "shrink_attempts": attempts},
         "cases": records,
         "failure": _headline_failure(failures, failed, by_reproduce),
+        "faults": distinct_faults(failures),
         "tests": dict(sorted(outcomes.items())),
         "minimal_failures": failures,
         "statistics": _statistics(records),
@@ -260,6 +263,36 @@ def verdict_disagreement(report: dict[str, Any]) -> str | None:
         return ("verdict='fail' but every case and property test passed, complete and "
                 "without a failure")
     return None
+
+
+def starting_report(options: CheckOptions, run: dict[str, Any]) -> dict[str, Any]:
+    """report.json at the first moment of a run, before the process that runs the
+    implementation has started: no case, incomplete, failing. A run that hangs or is
+    killed before its first case leaves this (with the line that ended it), never nothing.
+
+    Written by a supervisor, which has no torch: the versions are the installed ones.
+    """
+    try:
+        torch_version = version("torch")
+    except PackageNotFoundError:
+        torch_version = "unknown"
+    conditions = {
+        "gradequiv": gradequiv_version(), "torch": torch_version,
+        "python": platform.python_version(), "platform": platform.platform(),
+        "device": options.device, "threads": options.threads or os.cpu_count() or 1,
+        "deterministic_algorithms": options.deterministic, "seed": options.seed,
+        "profile": options.profile, "examples_per_property": options.max_examples,
+        "shard": f"{options.shard[0]}/{options.shard[1]}"}
+    return {
+        "schema_version": SCHEMA_VERSION, "tool": "gradequiv", "command": "check",
+        "verdict": "fail", "complete": False, "run": run,
+        "implementation": {"spec": options.impl or "unset",
+                           "adapter": options.adapter or "function", "kwargs": {}},
+        "conditions": conditions,
+        "summary": {"run": 0, "passed": 0, "failed": 0, "shrink_attempts": 0},
+        "cases": [], "failure": None, "tests": {}, "minimal_failures": [],
+        "statistics": _statistics([]),
+    }
 
 
 def better_record(kept: dict[str, Any] | None, new: dict[str, Any]) -> bool:
