@@ -82,3 +82,67 @@ def test_options_that_cannot_go_together_are_exit_2_in_one_line(
     out, err = capsys.readouterr()
     assert err.splitlines() == [err.strip()] and said in err, err
     assert "internal error" not in err and "verdict" not in out
+
+
+@pytest.mark.parametrize(("factory", "said"), [
+    ("nan_loss", "--model='hostile_models:nan_loss': its loss is nan on full storage, "
+                 "without recompute: nothing could be compared"),
+    ("float_loss", "--model='hostile_models:float_loss': its loss_fn returned float "),
+    ("loss_wants_a_dict", "--model='hostile_models:loss_wants_a_dict': its loss_fn raised "
+                          "on the model's outputs (a float32 tensor of shape [4, 3])"),
+])
+def test_a_factory_s_mistake_is_exit_2_naming_the_factory(
+        factory: str, said: str, monkeypatch: pytest.MonkeyPatch,
+        capsys: pytest.CaptureFixture[str]) -> None:
+    monkeypatch.syspath_prepend(str(TESTS))
+    code = main(["check", "--impl", "torch", "--model", f"hostile_models:{factory}",
+                 "--examples", "1", "--in-process"])
+    out, err = capsys.readouterr()
+    assert code == 2, out + err
+    errors = [line for line in err.splitlines() if line.startswith("gradequiv:")]
+    assert len(errors) == 1 and said in errors[0], err
+    assert "reproduce_failure" not in out + err and "verdict: pass" not in out
+
+
+def test_nan_on_both_sides_is_unverified_not_equal() -> None:
+    import torch
+
+    from gradequiv.harness.engine.compare import Tolerance, measure_pairs
+
+    nan = torch.full((4,), float("nan"))
+    one_nan = torch.tensor([1.0, float("nan"), 3.0, 4.0])
+    everywhere, among_finite = measure_pairs([(nan, nan.clone()), (one_nan, one_nan.clone())])
+    assert everywhere.mismatched == 4 and not Tolerance().passes(everywhere, 1.0)
+    assert among_finite.mismatched == 0 and Tolerance().passes(among_finite, 0.0)
+
+
+def test_a_full_storage_loss_of_nan_verifies_nothing(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Past the factory check (the pytest route has none): the case is not verified, and
+    says whose fault it is, with the tensor."""
+    from gradequiv.harness import verify
+    from gradequiv.harness.engine.case import Case
+    from gradequiv.models import ExternalConfig
+
+    monkeypatch.syspath_prepend(str(TESTS))
+    case = Case(model=ExternalConfig("hostile_models:nan_loss"), dtype="fp32")
+    with pytest.raises(RuntimeError, match="verifies nothing: its loss is nan; this is a "
+                                           "fault of the model, not of the implementation"):
+        verify("torch", case)
+
+
+def test_a_suite_that_verifies_nothing_fails_without_hypothesis_s_advice(
+        monkeypatch: pytest.MonkeyPatch, capfd: pytest.CaptureFixture[str]) -> None:
+    from gradequiv.harness.commands.check import run_suite
+    from gradequiv.harness.implementations.resolve import resolve
+    from gradequiv.harness.options import SuiteRun, check_options
+
+    monkeypatch.syspath_prepend(str(TESTS))
+    monkeypatch.setenv("PYTHONPATH", str(TESTS))
+    options = check_options(impl="torch", model="hostile_models:nan_loss", examples=1,
+                            profile="ci")
+    code = run_suite(SuiteRun(options, resolve("torch")), ["-q", "--tb=no", "-rN"])
+    out, err = capfd.readouterr()
+    assert code == 1, out + err
+    assert "reproduce_failure" not in out and "You can reproduce" not in out, out
+    assert "failed without a verdict: RuntimeError: the full-storage path of case" in out
+    assert "verifies nothing: its loss is nan" in out and "verdict: FAIL" in out

@@ -132,13 +132,42 @@ def _reduce(pairs: list[tuple[Tensor, Tensor]]) -> list[PairMetrics]:
 
 
 def _non_finite_pair(a: Tensor, b: Tensor) -> PairMetrics:
-    """Equal only if NaN and inf sit in the same places and the rest is bitwise equal."""
+    """Equal only if NaN and inf sit in the same places and the rest is bitwise equal; a
+    tensor with no finite element and NaN on both sides is unverified (NaN equals
+    nothing): it fails, with a NaN error, whatever the bound."""
     a, b = a.detach().to(b.device), b.detach()
+    if unverified(a, b):
+        return PairMetrics(math.nan, math.nan, math.nan, b.numel(), b.numel(), None)
     same = (a == b) | (a.isnan() & b.isnan())
     mismatched = int((~same).sum())
     if mismatched == 0:
         return PairMetrics(0.0, 0.0, 1.0, 0, b.numel())
     return PairMetrics(math.inf, math.inf, math.nan, mismatched, b.numel(), None)
+
+
+def unverified(a: Tensor, b: Tensor) -> bool:
+    """Whether ``a`` and ``b`` hold nothing to compare: no finite element in either, and NaN
+    in both. One NaN among finite elements, in the same place on both sides, is compared
+    as equal there."""
+    if b.numel() == 0 or not b.is_floating_point():
+        return False
+    return not bool(a.isfinite().any() or b.isfinite().any()) and bool(
+        a.isnan().any() and b.isnan().any())
+
+
+def non_finite_reference(loss: Tensor, grads: dict[str, Tensor | None]) -> str | None:
+    """Why full storage's step verifies nothing (None: it does): a loss that is NaN or inf,
+    or gradients none of which holds a finite element. The model's fault, named by the
+    tensor."""
+    if loss.is_floating_point() and not bool(torch.isfinite(loss.detach()).all()):
+        return f"its loss is {loss.detach().reshape(-1)[0].item()}"
+    given = [(name, g) for name, g in grads.items() if g is not None and g.is_floating_point()
+             and g.numel()]
+    if given and not any(bool(torch.isfinite(g).any()) for _, g in given):
+        name, grad = given[0]
+        return (f"every gradient is non-finite (the {name.replace(':', ' ', 1)} holds "
+                f"{grad.reshape(-1)[0].item()})")
+    return None
 
 
 @dataclass(frozen=True)

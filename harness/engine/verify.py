@@ -50,7 +50,12 @@ from torch import Tensor
 
 from gradequiv.harness.engine import global_state
 from gradequiv.harness.engine.case import Case
-from gradequiv.harness.engine.compare import DTYPE_CAPS, Tolerance, measure_pairs
+from gradequiv.harness.engine.compare import (
+    DTYPE_CAPS,
+    Tolerance,
+    measure_pairs,
+    non_finite_reference,
+)
 from gradequiv.harness.engine.rng_story import rng_stories
 from gradequiv.harness.engine.runner import PathRun, StepRecord, run_path
 from gradequiv.harness.errors import exception_line
@@ -208,6 +213,11 @@ def verify(
                     f"{full.error_at}; this is a fault of the model, not of the "
                     f"implementation:\n{full.error}"
                 )
+            nothing = non_finite_reference(full.steps[0].loss, full.steps[0].grads)
+            if nothing is not None:  # NaN equals nothing: no case verified, no false pass
+                raise RuntimeError(
+                    f"the full-storage path of case {case.describe()} verifies nothing: "
+                    f"{nothing}; this is a fault of the model, not of the implementation")
             global_state.restore(clean)
             recompute = run_path(case, impl, device=device, count_memory=True,
                                  start_from=full,
