@@ -244,6 +244,7 @@ def _run(argv: list[str], channel: Any) -> int:
 
                 if channel is not None:
                     supervise.stop_quietly_on_hang()
+                    supervise.keep_own_streams()  # the implementation may close fds 1 and 2
                 leftovers.watch()  # what runs from here on may be the implementation's
                 try:
                     return check.run(options, observer=channel)

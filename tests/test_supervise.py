@@ -326,3 +326,17 @@ def test_a_second_run_into_a_busy_folder_is_refused(tmp_path: Path) -> None:
         first.wait(timeout=120)
     assert second.returncode == 2, second.stderr
     assert "is in use by run" in second.stderr and f"pid {first.pid}" in second.stderr
+
+
+def test_an_implementation_that_closes_stdout_and_stderr_fails_itself(tmp_path: Path) -> None:
+    """Closing file descriptors 1 and 2 in the child was pytest's INTERNALERROR and exit 2;
+    the run's own output stays whole and the implementation fails its case."""
+    done = _check("--impl", "wrong_impls:closes_its_streams", *ONE, "--no-shrink",
+                  "--report-dir", str(tmp_path), timeout=300)
+    assert done.returncode == 1, done.stdout + done.stderr
+    assert "INTERNALERROR" not in done.stdout + done.stderr
+    assert "verdict: FAIL" in done.stdout
+    report = _report(tmp_path)
+    assert report["complete"] is True and report["verdict"] == "fail"
+    assert "the implementation raised" in report["cases"][0]["error"] or \
+        "Bad file descriptor" in report["cases"][0]["error"]

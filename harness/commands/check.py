@@ -189,7 +189,10 @@ def _run_suite(options: CheckOptions, impl: Any, device: Any, observer: Any) -> 
     if code == 2:
         print("gradequiv: interrupted; the report keeps what finished, marked incomplete",
               file=sys.stderr)
-    return {0: EXIT_PASS, 1: EXIT_FAIL, 2: EXIT_INTERRUPTED}.get(code, EXIT_USAGE)
+    if code == 3:  # pytest's internal error: the run broke off, so no verdict and no pass
+        print("gradequiv: FAIL: the suite broke off on an internal error (above) before its "
+              "verdict; the report keeps what finished, marked incomplete", file=sys.stderr)
+    return {0: EXIT_PASS, 1: EXIT_FAIL, 2: EXIT_INTERRUPTED, 3: EXIT_FAIL}.get(code, EXIT_USAGE)
 
 
 def _refuse_failed_imports(impl: Any, options: CheckOptions, case: Any, device: Any) -> None:

@@ -346,6 +346,45 @@ def stop_quietly_on_hang() -> None:
         signal.signal(HANG_SIGNAL, end)
 
 
+def keep_own_streams() -> None:
+    """In the child: stdout and stderr on copies of file descriptors 1 and 2, which the
+    implementation does not know of, with 1 and 2 pointing there too. An implementation
+    that closes 1 and 2 (as a daemonising library does) then fails its case, and the run's
+    own output, its verdict included, still reaches the user.
+
+    What was 1 and 2 is put back on them before each case
+    (:func:`restore_standard_fds`).
+    """
+    global _OWN_FDS
+    if _OWN_FDS is not None:
+        return
+    _OWN_FDS = (os.dup(1), os.dup(2))
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(Exception):
+            stream.flush()
+    sys.stdout = os.fdopen(_OWN_FDS[0], "w", buffering=1, encoding=sys.stdout.encoding,
+                           errors="backslashreplace", closefd=False)
+    sys.stderr = os.fdopen(_OWN_FDS[1], "w", buffering=1, encoding=sys.stderr.encoding,
+                           errors="backslashreplace", closefd=False)
+
+
+def restore_standard_fds() -> None:
+    """File descriptors 1 and 2 back on the child's streams where an implementation closed
+    them (nothing elsewhere, or when :func:`keep_own_streams` was not called)."""
+    if _OWN_FDS is None:
+        return
+    for fd, own in ((1, _OWN_FDS[0]), (2, _OWN_FDS[1])):
+        try:
+            os.fstat(fd)
+        except OSError:
+            with contextlib.suppress(OSError):
+                os.dup2(own, fd)
+
+
+#: the child's copies of file descriptors 1 and 2 (None: not made)
+_OWN_FDS: tuple[int, int] | None = None
+
+
 def _die_with_parent() -> None:
     """In the child, before exec (Linux): SIGTERM when this process dies, so that a child
     in its own process group is not left running by a killed parent."""
@@ -378,6 +417,8 @@ class ChildChannel:
 
     def case_started(self, impl: Any, case: Any, device: Any) -> None:
         from gradequiv.harness.reports.report import reproduce_command
+
+        restore_standard_fds()  # an implementation that closed them closed them for itself
 
         self._say({"event": "case", "description": case.describe(), "case": case.to_dict(),
                    "reproduce": reproduce_command(impl, case, device)})
