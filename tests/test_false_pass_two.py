@@ -146,3 +146,24 @@ def test_a_suite_that_verifies_nothing_fails_without_hypothesis_s_advice(
     assert "reproduce_failure" not in out and "You can reproduce" not in out, out
     assert "failed without a verdict: RuntimeError: the full-storage path of case" in out
     assert "verifies nothing: its loss is nan" in out and "verdict: FAIL" in out
+
+
+@pytest.mark.parametrize(("spec", "adapter", "said"), [
+    ("wrong_impls:returns_none", None,
+     "WrongReturn: the implementation returned NoneType None where the segment returns "
+     "tensors"),
+    ("wrong_impls:wrapper_returns_a_str", "wrapper",
+     "WrongReturn: the implementation (--adapter wrapper) returned str 'checkpointed' for "
+     "blocks.0, not a module"),
+])
+def test_a_wrong_return_is_named_by_what_it_returned(
+        spec: str, adapter: str | None, said: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    from gradequiv.harness import verify
+    from gradequiv.harness.engine.spread import find_case
+    from gradequiv.harness.errors import exception_line
+    from gradequiv.harness.implementations.resolve import resolve
+
+    monkeypatch.syspath_prepend(str(TESTS))
+    verdict = verify(resolve(spec, adapter=adapter), find_case("1L-layer-dropout"))
+    assert not verdict.passed and verdict.error is not None
+    assert said in exception_line(verdict.error), verdict.error

@@ -18,6 +18,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, cast
 
+import torch
 from torch import nn
 
 from gradequiv.harness import validate
@@ -124,12 +125,17 @@ class Implementation:
                         f"--impl-kwarg {sorted(clash)} clash with the segment's own keyword "
                         f"arguments; rename them in the implementation"
                     )
-                return target(function, *args, **options, **kwargs)
+                return _checked_return(target(function, *args, **options, **kwargs))
 
             router.enable(call)
         elif self.adapter == "wrapper":
             for s in segments:  # the segment's module itself, as users wrap their layers
                 wrapped = self.target(s.module, **self.kwargs)
+                if not isinstance(wrapped, nn.Module):
+                    raise WrongReturn(
+                        f"the implementation (--adapter wrapper) returned "
+                        f"{type(wrapped).__name__} {_brief(wrapped)} for {s.name}, not a "
+                        f"module; a wrapper returns the module that runs in its place")
                 router.enable(functools.partial(_call_wrapped, wrapped), [s.module])
         else:  # the user's own model; the selected segments where the toggle takes them
             chosen = {"segments": [s.name for s in segments]} \
@@ -144,6 +150,36 @@ class Implementation:
         for key, value in self.kwargs.items():
             args += ["--impl-kwarg", f"{key}={_format_value(value)}"]
         return args
+
+
+class WrongReturn(TypeError):
+    """The implementation returned what no segment returns: named by what it returned,
+    before the model raises on it."""
+
+
+def _brief(value: Any) -> str:
+    shown = repr(value)
+    return shown if len(shown) <= 40 else shown[:36] + "..."
+
+
+def _holds_tensor(value: Any) -> bool:
+    if isinstance(value, torch.Tensor):
+        return True
+    if isinstance(value, (tuple, list)):
+        return any(_holds_tensor(v) for v in value)
+    if isinstance(value, dict):
+        return any(_holds_tensor(v) for v in value.values())
+    return False
+
+
+def _checked_return(value: Any) -> Any:
+    """What a function-adapter implementation returned, when it holds a tensor; else a
+    :class:`WrongReturn` saying what it was (None, a str, a number)."""
+    if not _holds_tensor(value):
+        raise WrongReturn(f"the implementation returned {type(value).__name__} "
+                          f"{_brief(value)} where the segment returns tensors; return what "
+                          f"function(*args, **kwargs) returns")
+    return value
 
 
 def takes_segments(target: Callable[..., Any]) -> bool:
