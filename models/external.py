@@ -137,7 +137,7 @@ def segment_names(model: nn.Module, segments: Sequence[SegmentName]) -> list[str
                 f"{_known_names(modules)}")
         else:
             names.append(entry)
-    return names
+    return list(dict.fromkeys(names))  # a class and a name (or two classes) may overlap
 
 
 def _known_names(modules: dict[str, nn.Module]) -> str:

@@ -232,13 +232,19 @@ def external_cases(factory: str, *, device: str = "cpu",
                    modes: tuple[str, ...] = GRAD_MODES,
                    toggle_chooses: bool = False) -> st.SearchStrategy[Case]:
     """Return a strategy for cases of a user's model (``--model``): the factory fixes the
-    model and batch; drawn are the granularity (every segment, or every 2nd; with
+    model, its batch and the precision regimes it runs (``UserModel.regimes``); drawn are
+    the granularity (every segment, or every 2nd; with
     ``toggle_chooses``, a toggle that picks its own segments, only "the toggle's"), the
     precision regime, the seed, how gradients are asked for and the forwards before
     training. Shrinks towards every segment, fp32, seed 0, ``loss.backward()``; never a
     gradient penalty (``create-graph``).
     """
+    from gradequiv.models.external import declared_regimes
+
     model = ExternalConfig(factory)
+    declared = declared_regimes(factory)  # the factory's own list: only those are drawn
+    dtypes = dtype_regimes(device=device) if declared is None else \
+        st.sampled_from([d for d in DTYPES if d in declared] or ["fp32"])
     # Not a gradient penalty: a user's model need not be twice differentiable (fused
     # attention kernels have no double backward).
     modes = tuple(m for m in modes if m != "create-graph")
@@ -246,7 +252,7 @@ def external_cases(factory: str, *, device: str = "cpu",
                      granularity=st.sampled_from(["toggle"] if toggle_chooses
                                                  else ["layer", "every:2"]
                                                  ).map(parse_granularity),
-                     dtype=dtype_regimes(device=device), seed=seeds(),
+                     dtype=dtypes, seed=seeds(),
                      grad_mode=grad_modes(modes), inference=st.booleans())
 
 

@@ -3,10 +3,14 @@
 from __future__ import annotations
 
 import random
+from collections import OrderedDict
+from dataclasses import dataclass
+from typing import Any, NamedTuple
 
 import numpy as np
 import torch
 import torch.nn.functional as F
+import torch.utils.checkpoint
 from torch import Tensor, nn
 
 from gradequiv.models import UserModel
@@ -487,3 +491,312 @@ def random_outside_segment(seed: int) -> UserModel:
     built = _blocks_model(seed, [Residual(16, 0.1) for _ in range(3)])
     built.model = OutsideCoins(list(built.model.blocks))  # the same blocks, scaled at random
     return built
+
+
+# -- shaped like the libraries' models (issue 37): what transformers, PEFT, timm, diffusers and
+# torchtune do, without the libraries ------------------------------------------------------------
+
+class BiasBlock(Residual):
+    """A block that adds a position bias it is handed, as T5's layers add the first layer's."""
+
+    def forward(self, x: Tensor, bias: Tensor | None = None, *, scale: float = 1.0) -> Tensor:
+        out = super().forward(x, scale=scale)
+        return out if bias is None else out + bias
+
+
+class CheckpointingStack(nn.Module):
+    """Shaped like a transformers model with frozen embeddings (a PEFT base): its own
+    checkpointing switch, which under reentrant checkpoint makes the embeddings' output
+    require grad (``enable_input_require_grads``, transformers' fix for adapters getting no
+    gradient) and marks the constant position bias as requiring grad (T5). Full storage
+    has neither: those tensors get a gradient on the recompute path only."""
+
+    def __init__(self, width: int = 16, depth: int = 3) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(10, width)
+        self.embed.requires_grad_(False)  # frozen, as a PEFT base model's are
+        self.blocks = nn.ModuleList(BiasBlock(width, 0.1) for _ in range(depth))
+        self.head = nn.Linear(width, 3)
+        self.gradient_checkpointing = False
+        self.checkpointed: set[int] | None = None  # None: every block
+        self.train_embeddings = False
+
+    def set_grad_checkpointing(self, enable: bool = True, segments: list[str] | None = None,
+                               *, train_embeddings: bool = False) -> None:
+        self.gradient_checkpointing = enable
+        if segments is not None:
+            self.checkpointed = {int(name.rpartition(".")[2]) for name in segments}
+        self.train_embeddings = train_embeddings  # a faulty toggle: unfreezes a frozen layer
+        if train_embeddings:
+            self.embed.requires_grad_(True)
+
+    def forward(self, tokens: Tensor) -> Tensor:
+        h = self.embed(tokens)  # (B, T, W)
+        on = self.gradient_checkpointing and self.training
+        if on:
+            h.requires_grad_(True)  # enable_input_require_grads
+        position = torch.arange(tokens.shape[1], dtype=h.dtype)[:, None]  # (T, 1)
+        bias = torch.sin(position / 4.0).expand(-1, h.shape[-1]).clone()  # (T, W), constant
+        if on:
+            bias.requires_grad_(True)  # T5: position_bias.requires_grad = True
+        for i, block in enumerate(self.blocks):
+            if on and (self.checkpointed is None or i in self.checkpointed):
+                h = torch.utils.checkpoint.checkpoint(block, h, bias, use_reentrant=True)
+            else:
+                h = block(h, bias)
+        return self.head(h.mean(1))
+
+
+def checkpointing_stack(seed: int) -> UserModel:
+    gen = torch.Generator().manual_seed(seed)
+    torch.manual_seed(seed)
+    model = CheckpointingStack()
+    tokens = torch.randint(0, 10, (4, 6), generator=gen)
+    targets = torch.randint(0, 3, (4,), generator=gen)
+    return UserModel(model, (tokens,), targets, F.cross_entropy, segments=[BiasBlock],
+                     regimes=("fp32", "bf16-autocast"))  # reentrant: no torch.autograd.grad
+
+
+def stack_checkpointing(model: nn.Module, segments: list[str]) -> None:
+    """The toggle of ``CheckpointingStack``, handed the selected segments."""
+    model.set_grad_checkpointing(True, segments)
+
+
+stack_checkpointing.gradequiv_unsupported = ("autograd-grad",)  # type: ignore[attr-defined]
+
+
+def stack_checkpointing_unfreezing(model: nn.Module, segments: list[str]) -> None:
+    """A faulty toggle: it trains the frozen embeddings (their gradients on one path only)."""
+    model.set_grad_checkpointing(True, segments, train_embeddings=True)
+
+
+stack_checkpointing_unfreezing.gradequiv_unsupported = (  # type: ignore[attr-defined]
+    "autograd-grad",)
+
+
+def grad_checkpointing(model: nn.Module) -> None:
+    """The README's kind of toggle: the model's own switch, on the user's model itself."""
+    model.set_grad_checkpointing(True)
+
+
+grad_checkpointing.gradequiv_unsupported = ("autograd-grad",)  # type: ignore[attr-defined]
+
+
+class SpectralMix(Residual):
+    """A block that mixes its features in the frequency domain: ``torch.fft.rfft`` refuses
+    bfloat16, so the model cannot run as a bf16 model (a time-series model's FFT)."""
+
+    def forward(self, x: Tensor, *, scale: float = 1.0) -> Tensor:
+        mixed = torch.fft.irfft(torch.fft.rfft(x, dim=-1), n=x.shape[-1], dim=-1)
+        return super().forward(mixed, scale=scale)
+
+
+def spectral(seed: int) -> UserModel:
+    return _blocks_model(seed, [SpectralMix(16, 0.1) for _ in range(2)])
+
+
+def spectral_declared(seed: int) -> UserModel:
+    """The same model, its factory declaring the regimes it runs."""
+    built = spectral(seed)
+    built.regimes = ("fp32", "bf16-autocast", "fp16-autocast")
+    return built
+
+
+def apply_activation_checkpointing(model: nn.Module) -> None:
+    """torch's ``apply_activation_checkpointing`` (what torchtune's
+    ``set_activation_checkpointing`` calls): every Residual is replaced by a wrapper, so the
+    parameter names gain ``_checkpoint_wrapped_module``."""
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
+        apply_activation_checkpointing as apply,
+    )
+
+    apply(model, check_fn=lambda m: isinstance(m, Residual))
+
+
+# -- outputs that are no tensor ---------------------------------------------------------------
+
+@dataclass
+class StackOutput:
+    """A library's output structure: a dataclass with fields left None."""
+
+    logits: Tensor
+    hidden_states: tuple[Tensor, ...] | None = None
+    attentions: tuple[Tensor, ...] | None = None
+
+
+class BlockOutput(NamedTuple):
+    hidden: Tensor
+    aux: Tensor | None
+
+
+class StructuredBlock(Residual):
+    """A block returning a named tuple, one field None."""
+
+    def forward(self, x: Tensor, *, scale: float = 1.0) -> BlockOutput:  # type: ignore[override]
+        return BlockOutput(super().forward(x, scale=scale), None)
+
+
+class DictBlock(Residual):
+    """A block returning a dict, as diffusers' and transformers' blocks may."""
+
+    def forward(self, x: Tensor, *, scale: float = 1.0) -> dict[str, Any]:  # type: ignore[override]
+        return {"hidden": super().forward(x, scale=scale), "cache": None}
+
+
+class StructuredStack(Blocks):
+    """Returns a dataclass (``StackOutput``) or, with ``as_dict``, an ordered dict with None
+    fields, as transformers' ``ModelOutput`` is."""
+
+    def __init__(self, blocks: list[nn.Module], as_dict: bool = False) -> None:
+        super().__init__(blocks)
+        self.as_dict = as_dict
+
+    def forward(self, x: Tensor) -> Any:  # type: ignore[override]
+        hidden = []
+        for block in self.blocks:
+            out = block(x, scale=0.5)
+            x = out["hidden"] if isinstance(out, dict) else out.hidden
+            hidden.append(x)
+        logits = self.head(x)
+        if self.as_dict:
+            return OrderedDict(logits=logits, past_key_values=None, hidden_states=tuple(hidden))
+        return StackOutput(logits, tuple(hidden))
+
+
+def _structured_loss(outputs: Any, targets: Tensor) -> Tensor:
+    logits = outputs["logits"] if isinstance(outputs, dict) else outputs.logits
+    return F.cross_entropy(logits, targets)
+
+
+def dataclass_outputs(seed: int) -> UserModel:
+    built = _blocks_model(seed, [StructuredBlock(16, 0.1) for _ in range(2)])
+    built.model = StructuredStack(list(built.model.blocks))
+    built.loss_fn = _structured_loss
+    return built
+
+
+def dict_outputs(seed: int) -> UserModel:
+    built = _blocks_model(seed, [DictBlock(16, 0.1) for _ in range(2)])
+    built.model = StructuredStack(list(built.model.blocks), as_dict=True)
+    built.loss_fn = _structured_loss
+    return built
+
+
+# -- keyword inputs, segments by class: an encoder-decoder shaped like T5 ----------------------
+
+class EncoderDecoder(nn.Module):
+    """``forward(input_ids=None, attention_mask=None, decoder_input_ids=None)``, as T5's:
+    called by keyword, with None between the inputs it is given."""
+
+    def __init__(self, width: int = 16) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(10, width)
+        self.encoder = nn.ModuleList(Residual(width, 0.1) for _ in range(2))
+        self.decoder = nn.ModuleList(BiasBlock(width, 0.1) for _ in range(2))
+        self.head = nn.Linear(width, 10)
+
+    def forward(self, input_ids: Tensor | None = None, attention_mask: Tensor | None = None,
+                inputs_embeds: Tensor | None = None,
+                decoder_input_ids: Tensor | None = None) -> Tensor:
+        h = self.embed(input_ids) if inputs_embeds is None else inputs_embeds
+        if attention_mask is not None:
+            h = h * attention_mask[..., None]
+        for layer in self.encoder:
+            h = layer(h)
+        assert decoder_input_ids is not None
+        context = h.mean(1, keepdim=True)  # (B, 1, W)
+        d = self.embed(decoder_input_ids)
+        for layer in self.decoder:
+            d = layer(d, context)
+        return self.head(d)
+
+
+def encoder_decoder(seed: int) -> UserModel:
+    gen = torch.Generator().manual_seed(seed)
+    torch.manual_seed(seed)
+    model = EncoderDecoder()
+    tokens = torch.randint(0, 10, (2, 5), generator=gen)
+    decoder = torch.randint(0, 10, (2, 4), generator=gen)
+    targets = torch.randint(0, 10, (2, 4), generator=gen)
+    return UserModel(model, {"input_ids": tokens, "attention_mask": torch.ones(2, 5),
+                             "decoder_input_ids": decoder}, targets,
+                     lambda out, t: F.cross_entropy(out.reshape(-1, 10), t.reshape(-1)),
+                     segments=[Residual, BiasBlock])
+
+
+def misnamed_layers(seed: int) -> UserModel:
+    """Names a layer list as a library release before renamed it (``encoders`` for ``encoder``)."""
+    built = encoder_decoder(seed)
+    built.segments = ["encoders.0"]
+    return built
+
+
+# -- timm-shaped: a ViT whose blocks checkpoint through its own switch ---------------------------
+
+class ViTBlock(nn.Module):
+    """Pre-norm attention and MLP, with dropout, as timm's ``Block``."""
+
+    def __init__(self, width: int, heads: int = 2) -> None:
+        super().__init__()
+        self.norm1 = nn.LayerNorm(width)
+        self.attn = nn.MultiheadAttention(width, heads, dropout=0.1, batch_first=True)
+        self.norm2 = nn.LayerNorm(width)
+        self.mlp = nn.Sequential(nn.Linear(width, 2 * width), nn.GELU(), nn.Dropout(0.1),
+                                 nn.Linear(2 * width, width))
+
+    def forward(self, x: Tensor) -> Tensor:
+        h = self.norm1(x)
+        x = x + self.attn(h, h, h, need_weights=False)[0]
+        return x + self.mlp(self.norm2(x))
+
+
+class TinyViT(nn.Module):
+    """timm's ``VisionTransformer`` in small: patches, a block list, ``set_grad_checkpointing``,
+    and in forward ``checkpoint_seq``-style recompute of every block when it is on."""
+
+    def __init__(self, width: int = 16, depth: int = 2, patch: int = 4) -> None:
+        super().__init__()
+        self.patch = patch
+        self.patch_embed = nn.Linear(3 * patch * patch, width)
+        self.blocks = nn.Sequential(*(ViTBlock(width) for _ in range(depth)))
+        self.norm = nn.LayerNorm(width)
+        self.head = nn.Linear(width, 5)
+        self.grad_checkpointing = False
+
+    def set_grad_checkpointing(self, enable: bool = True) -> None:
+        self.grad_checkpointing = enable
+
+    def forward(self, images: Tensor) -> Tensor:
+        b, c, _, _ = images.shape
+        patches = images.unfold(2, self.patch, self.patch).unfold(3, self.patch, self.patch)
+        x = self.patch_embed(patches.permute(0, 2, 3, 1, 4, 5).reshape(b, -1, c * self.patch ** 2))
+        for block in self.blocks:
+            if self.grad_checkpointing and self.training:
+                x = torch.utils.checkpoint.checkpoint(block, x, use_reentrant=False)
+            else:
+                x = block(x)
+        return self.head(self.norm(x).mean(1))
+
+
+def tiny_vit(seed: int) -> UserModel:
+    gen = torch.Generator().manual_seed(seed)
+    torch.manual_seed(seed)
+    model = TinyViT()
+    images = torch.randn(2, 3, 8, 8, generator=gen)
+    targets = torch.randint(0, 5, (2,), generator=gen)
+    return UserModel(model, (images,), targets, F.cross_entropy, segments=[ViTBlock])
+
+
+def vit_grad_checkpointing(model: nn.Module) -> None:
+    """timm's toggle, as its users call it; it checkpoints every block, whatever is selected."""
+    model.set_grad_checkpointing(True)
+
+
+# -- an implementation whose import fails inside it ---------------------------------------------
+
+def toggle_needing_a_library(model: nn.Module) -> None:
+    """A toggle that imports its library when called, and the library is not installed."""
+    from torchtune_is_not_installed.training import set_activation_checkpointing  # type: ignore[import-not-found]
+
+    set_activation_checkpointing(model)
+

@@ -33,7 +33,7 @@ from gradequiv.harness.engine.path import build_path
 from gradequiv.harness.errors import InvalidArgument
 from gradequiv.harness.implementations.adapters import Implementation
 from gradequiv.models import EveryLayer, ExternalConfig, Granularity, parse_granularity
-from gradequiv.models.granularity import SINGLE_LAYERS
+from gradequiv.models.granularity import SINGLE_LAYERS, NoRecompute, TogglesOwn
 
 
 @dataclass(frozen=True)
@@ -303,6 +303,7 @@ def profile(
     """
     if steps < 1 or warmup < 0:
         raise InvalidArgument(f"steps={steps}, warmup={warmup}: need steps >= 1, warmup >= 0")
+    granularities = same_configurations_once(impl, case, granularities)
     device = torch.device(device)
     say, n = _Progress(progress, every_s=PROGRESS_EVERY_S), len(granularities)
     say.start("setup", f"building {n} models ({', '.join(map(str, granularities))}) and "
@@ -366,6 +367,21 @@ def profile(
     return ProfileResult(impl.spec, case.to_dict(), conditions, rows, impl.adapter,
                          {k: repr(v) for k, v in impl.kwargs.items()},
                          recommend(rows, batch=batch, unit=unit, memory_budget=memory_budget))
+
+
+def same_configurations_once(impl: Implementation, case: Case,
+                             granularities: list[Selection]) -> list[Selection]:
+    """Each configuration once: a toggle that chooses its own segments (timm's
+    ``set_grad_checkpointing``) checkpoints the same layers whatever is selected, so every
+    selection but ``none`` is one row, "toggle" (the toggle's), not rows to rank."""
+    if not (isinstance(case.model, ExternalConfig) and impl.chooses_segments):
+        return granularities
+    rows: list[Selection] = []
+    for g in granularities:
+        one = g if isinstance(g, NoRecompute) else TogglesOwn()
+        if one not in rows:
+            rows.append(one)
+    return rows
 
 
 #: A step along the frontier costs "clearly more" when its time per byte saved is more than

@@ -489,8 +489,9 @@ class _SegmentInputGrads:
         self._seen.clear()
 
     def _on_call(self, segment: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
-        if not torch.is_grad_enabled():
-            return
+        # Under no_grad too: a model that checkpoints its own layers reentrantly calls them
+        # under no_grad on the recompute path only; the hook on an input sees the gradient
+        # it gets from every use, so both paths see the same, wherever the call ran.
         module = self._modules[segment]
         # The class's forward, not the instance's: a wrapper may have patched the instance's
         # forward into (*args, **kwargs), which would lose the parameter names.

@@ -62,7 +62,8 @@ from gradequiv.harness.errors import exception_line
 from gradequiv.harness.implementations.adapters import Implementation
 from gradequiv.harness.implementations.compiled import FLOOR, REFERENCE, CompileSpec
 from gradequiv.harness.implementations.resolve import resolve
-from gradequiv.models import NoRecompute, build
+from gradequiv.models import ExternalConfig, NoRecompute, build
+from gradequiv.models.external import declared_regimes
 from gradequiv.models.kinds import INPLACE_OPS
 
 #: What torch's selective checkpoint raises when an in-place op wrote into an output its
@@ -90,6 +91,8 @@ class TensorCheck:
     #: a counter's (a one-element integer tensor's) value on each path, recompute then full
     #: storage: which way it is off (a second update, or one missed); None for other tensors
     counts: list[int] | None = None
+    #: the tensor's own scale: the greater norm of the two paths' (0: not a float tensor)
+    scale: float = 0.0
 
     def describe(self) -> str:
         if self.property == "rng" and self.name.startswith("RNG state after "):
@@ -123,16 +126,35 @@ class PropertyResult:
         return worst[0].describe() if worst and not worst[0].passed else ""
 
     def worst_first(self) -> list[TensorCheck]:
-        """Failing checks first; among them a tensor inside a re-run segment (where a
-        recompute fault sits) before one outside (the embeddings, the head); then by how far
-        past their bound."""
-        return sorted(self.checks, key=lambda c: (not c.passed, self.inside(c.name),
-                                                  severity(c)), reverse=True)
+        """Failing checks first; among them one whose error matters at the gradients' own
+        scale before one whose error does not (a bias off by 1e-9 where the gradients are of
+        order 1: far past its own bound, and nothing to training), then a tensor inside a
+        re-run segment (where a recompute fault sits) before one outside (the embeddings,
+        the head); then by how far past their bound."""
+        total = gradient_scale(self.checks)
+        return sorted(self.checks, key=lambda c: (not c.passed, not negligible(c, total),
+                                                  self.inside(c.name), severity(c)),
+                      reverse=True)
 
     def inside(self, name: str) -> bool:
         """Whether a check's tensor belongs to one of the segments."""
         tensor = name.split()[-1]
         return any(tensor.startswith((s + ".", s + ":")) for s in self.segments)
+
+
+def gradient_scale(checks: list[TensorCheck]) -> float:
+    """The gradients' own scale: the norm of every gradient the checks compare, together."""
+    return math.sqrt(sum(c.scale ** 2 for c in checks
+                         if "grad of " in c.name and math.isfinite(c.scale)))
+
+
+def negligible(check: TensorCheck, total: float) -> bool:
+    """Whether a gradient's difference is below its bound even measured against every
+    gradient's scale (``total``): off by far less than what training moves by."""
+    if "grad of " not in check.name or not check.scale or not total \
+            or not math.isfinite(check.rel_error):
+        return False
+    return check.rel_error * check.scale < check.bound * total
 
 
 def severity(check: TensorCheck) -> float:
@@ -196,9 +218,9 @@ def verify(
     device = torch.device(device)
     verdict = Verdict(case=case, impl=impl.spec, device=str(device))
     declined = impl.declines(case.grad_mode, case.features(), unclaimed=False)
+    declined = f"not applicable: {declined}" if declined else _regime_declared(case)
     if declined:  # what it says it does not do is not held against it
-        verdict.properties = [PropertyResult(name, None, f"not applicable: {declined}")
-                              for name in PROPERTIES]
+        verdict.properties = [PropertyResult(name, None, declined) for name in PROPERTIES]
         return verdict
     clean = global_state.snapshot()
     tolerance = tolerance or Tolerance(regime=case.dtype)
@@ -208,6 +230,11 @@ def verify(
             global_state.restore(clean)
             full = run_path(case, None, device=device, count_memory=True, compiled=reference)
             if full.error is not None:
+                limit = _regime_limit(case, full)
+                if limit:  # the model's own limit: nothing to hold against the implementation
+                    verdict.properties = [PropertyResult(name, None, limit)
+                                          for name in PROPERTIES]
+                    return verdict
                 raise RuntimeError(
                     f"the full-storage path of case {case.describe()} failed at "
                     f"{full.error_at}; this is a fault of the model, not of the "
@@ -276,6 +303,30 @@ def verify(
     return verdict
 
 
+def _regime_declared(case: Case) -> str:
+    """Why a user's model is not checked in the case's precision regime: its factory
+    declares the regimes it runs (``UserModel.regimes``) and this is none of them ("" where
+    it is, or the factory declares none)."""
+    if not isinstance(case.model, ExternalConfig):
+        return ""
+    regimes = declared_regimes(case.model.factory)
+    if regimes is None or case.dtype in regimes:
+        return ""
+    return (f"not applicable to this model: its factory declares regimes="
+            f"{tuple(regimes)!r}, not {case.dtype}")
+
+
+def _regime_limit(case: Case, full: PathRun) -> str:
+    """A user's model that raises on full storage in a regime other than fp32 cannot run
+    that regime (``torch.fft.rfft`` refuses bfloat16): the regime is not applicable to
+    this model, said in one line ("" for anything else, which stays the model's fault)."""
+    if not isinstance(case.model, ExternalConfig) or case.dtype == "fp32" or not full.error:
+        return ""
+    return (f"not applicable to this model: {case.dtype} raises on full storage itself, "
+            f"at {full.error_at} ({exception_line(full.error)}); declare the regimes it "
+            f"runs in its factory (UserModel(..., regimes=...)) to skip them")
+
+
 def _floor_matters(checked: list[PropertyResult], tolerance: Tolerance) -> bool:
     """Whether the noise floor can change a verdict ``checked`` against a floor of zero: a
     tensor fails by no more than the dtype's cap (a measured floor may raise its bound that
@@ -342,9 +393,12 @@ def _check_all(
                     [rc.params, full.params, floor.params])
 
     comparable = []
+    evidence: dict[str, list[str]] = {}  # one-sided gradients that are no fault by themselves
     for prop, name, a, b, c in items:
         problem = _structure_problem(name, a, b)
-        if problem:
+        if problem and _intermediate_only_here(name, a, b):
+            evidence.setdefault(prop, []).append(problem)
+        elif problem:
             results[prop].failures.append(problem)
         elif a is not None:
             comparable.append((prop, name, a, b, c))
@@ -352,11 +406,13 @@ def _check_all(
         [(a, b) for _, _, a, b, _ in comparable] + [(c, b) for _, _, _, b, c in comparable]
     )
     n = len(comparable)
-    for (prop, name, a, b, _), m, f in zip(comparable, metrics[:n], metrics[n:]):
+    scales = _scales([(a, b) for _, _, a, b, _ in comparable])
+    for (prop, name, a, b, _), m, f, scale in zip(comparable, metrics[:n], metrics[n:],
+                                                   scales):
         bound = tolerance.bound(f.rel_error, b.dtype)
         check = TensorCheck(prop, name, tolerance.passes(m, bound), m.rel_error, bound,
                             f.rel_error, m.max_abs, m.cosine, m.mismatched, m.numel,
-                            m.max_ulps, _counts(a, b))
+                            m.max_ulps, _counts(a, b), scale)
         results[prop].checks.append(check)
 
     if not full.steps[0].buffers:
@@ -383,7 +439,41 @@ def _check_all(
                 result.summary = result.first_failure
             elif not result.summary:
                 result.summary = _summary(result)
+        seen = evidence.get(result.name)
+        if seen:
+            result.summary += (f"; evidence, not a fault: {seen[0]}"
+                               + (f" (and {len(seen) - 1} more)" if len(seen) > 1 else "")
+                               + ", a tensor that is neither a parameter nor a model input: "
+                                 "only the recompute path made it require grad (a toggle's "
+                                 "enable_input_require_grads, a bias marked requires_grad)")
     return [results[name] for name in PROPERTIES]
+
+
+def _scales(pairs: list[tuple[Any, Any]]) -> list[float]:
+    """Each pair's scale (``TensorCheck.scale``): the greater of the two norms, for float
+    tensors (one pass over them all); 0.0 for the others."""
+    floats = [i for i, (a, b) in enumerate(pairs) if isinstance(b, Tensor)
+              and b.is_floating_point() and isinstance(a, Tensor) and a.numel()]
+    scales = [0.0] * len(pairs)
+    if floats:
+        norms_a = torch._foreach_norm([pairs[i][0].detach().double() for i in floats])
+        norms_b = torch._foreach_norm([pairs[i][1].detach().double() for i in floats])
+        for i, x, y in zip(floats, norms_a, norms_b):
+            scales[i] = max(float(x), float(y))
+    return scales
+
+
+def _intermediate_only_here(name: str, rc: Any, full: Any) -> bool:
+    """Whether a one-sided gradient is evidence rather than a fault: the recompute path has
+    a gradient full storage has none of, for a segment input that is neither a parameter
+    nor a model input (an activation only the checkpointed model made require grad, as
+    transformers' ``enable_input_require_grads`` does). A leaf's gradient decides: the
+    parameters' and model inputs' are compared on their own, so a frozen layer trained
+    on the recompute path still fails."""
+    label = name.rpartition("grad of ")[2]
+    if not label.startswith("input ") or label.startswith("input model:"):
+        return False
+    return rc is not None and rc is not MISSING and (full is None or full is MISSING)
 
 
 def _counts(a: Any, b: Any) -> list[int] | None:
