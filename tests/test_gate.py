@@ -70,7 +70,11 @@ def test_an_implementation_that_ends_the_process_with_0_fails_the_gate(tmp_path:
     done = _gate(tmp_path, "wrong_impls:exits_quietly", *ONE)
     assert done.returncode == 1, done.stderr
     assert "the implementation ended the process during" in done.stderr
-    assert not (tmp_path / "report.md").exists()
+    # the run's own report, written from its first moment, says so: never the stale pass
+    report: dict[str, Any] = json.loads((tmp_path / "report.json").read_text())
+    assert report["complete"] is False and report["verdict"] == "fail"
+    assert report["run"]["id"].startswith("gate-")
+    assert (tmp_path / "report.md").read_text() != "gradequiv: PASS\n"
 
 
 def test_the_gate_never_renders_a_report_of_another_run(tmp_path: Path) -> None:
