@@ -11,7 +11,10 @@ compared with the forward ops it repeats. For a random op the share of elements 
 differ is the share of the dropout mask drawn differently. Beside it the divergence
 says how many random ops each run ran (a re-run with fewer runs with dropout off), and
 which re-run op, if any, read an output a forward op made that had changed since (a store
-serving the forward's outputs by reference after an in-place op wrote into one).
+serving the forward's outputs by reference after an in-place op wrote into one), which
+forward op wrote into it through which alias, and whether that write moved the saved
+output's version counter (the check torch's selective checkpoint makes: a write through
+an alias autograd does not count as a view, ``_unsafe_view``'s output, moves none).
 
 It sees what the dispatcher sees, so it works for any implementation that
 re-runs the segment's modules eagerly (function and wrapper adapters). A
@@ -94,8 +97,12 @@ class Divergence:
     #: dropout (eval mode, a disabled dropout)
     draws: tuple[int, int] = (0, 0)
     #: a re-run op that read an output the forward made, changed since (served from a
-    #: store after an in-place op wrote into it); "" when none did
+    #: store after an in-place op wrote into it), and the write; "" when none did
     stale: str = ""
+    #: the stale output's version counter did not move: the write went through an alias
+    #: that shares its memory, not its counter, so a check of saved tensors' versions
+    #: (torch's selective checkpoint's) cannot see it
+    stale_unversioned: bool = False
 
     def describe(self) -> str:
         where = f"{self.op} in {self.module or self.segment} (op {self.index} of {self.segment})"
@@ -139,6 +146,8 @@ class _Recorder(TorchDispatchMode):  # type: ignore[no-untyped-call]  # untyped 
         ops = self.owner.current_ops()
         if ops is not None and self.owner.backward:
             self.owner.made.read(func, (args, kwargs), ops, self.owner)
+        elif ops is not None:
+            self.owner.made.writes(func, args, kwargs or {}, ops, self.owner)
         out = func(*args, **(kwargs or {}))
         self.owner.watch.after(func, given)
         if ops is not None and not _skipped(func) and not self.owner.writes_buffer(func, args):
@@ -256,9 +265,14 @@ class _Made:
 
     def __init__(self) -> None:
         #: storage -> (an alias of the forward's tensor, segment, its op's position in its
-        #: run, the op)
-        self.by_storage: dict[int, list[tuple[Tensor, str, int, _Op]]] = {}
-        self.stale: dict[str, str] = {}  # segment -> its first stale read
+        #: run, the op, the tensor's version then)
+        self.by_storage: dict[int, list[tuple[Tensor, str, int, _Op, int]]] = {}
+        #: storage -> the forward's in-place writes into it: (segment, position of the
+        #: writing op, the op and its module, the op and position that made the alias it
+        #: wrote through; None for a view no recorded op made)
+        self.written: dict[int, list[tuple[str, int, str, tuple[str, int] | None]]] = {}
+        #: segment -> its first stale read, and whether it moved no version counter
+        self.stale: dict[str, tuple[str, bool]] = {}
         #: segments whose re-run read an output a forward op of theirs made (not an input
         #: of the re-run: a layer applied twice is given its own output)
         self.served: set[str] = set()
@@ -289,10 +303,33 @@ class _Made:
                 or copy is None or copy.dtype != source.dtype or not tracker.segment \
                 or copy.data_ptr() in tracker.buffers:  # the model's state, not a store
             return
-        for original, made_in, index, op in self.by_storage.get(tensor_key(source), []):
+        for original, made_in, index, op, _ in self.by_storage.get(tensor_key(source), []):
             if made_in == tracker.segment[-1] and _same_layout(original, source):
                 self._keep(copy, (made_in, index, op))
                 return
+
+    def writes(self, func: Any, args: Any, kwargs: dict[str, Any], ops: list[_Op],
+               tracker: _Tracker) -> None:
+        """Before a forward op of a segment: where it writes in place into the memory of an
+        output a forward op of the segment made, what wrote, and through which alias."""
+        if self.broken or not tracker.segment:
+            return
+        try:
+            self._writes(func, args, kwargs, ops, tracker)
+        except Exception:  # a tensor without storage (a subclass): the search stops here
+            self.broken = True
+
+    def _writes(self, func: Any, args: Any, kwargs: dict[str, Any], ops: list[_Op],
+                tracker: _Tracker) -> None:
+        segment = tracker.segment[-1]
+        for target in _written(func, args, kwargs):
+            makers = [m for m in self.by_storage.get(tensor_key(target), []) if m[1] == segment]
+            if not makers:
+                continue
+            alias = next(((m[3].op, m[2]) for m in makers if _same_layout(m[0], target)), None)
+            where = f"{func.overloadpacket.__name__} in {tracker.module_path() or segment}"
+            self.written.setdefault(tensor_key(target), []).append(
+                (segment, len(ops), where, alias))
 
     def rerun_begins(self, args: Any) -> None:
         """A segment's re-run begins on ``args``: reading them is no store's."""
@@ -305,9 +342,14 @@ class _Made:
         if self.broken:
             return
         try:
-            with _disable_current_modes():
+            # beneath autograd a detach shares no version counter unless ADInplaceOrView runs
+            # (as torch's selective checkpoint detaches what it caches): the alias's counter
+            # is then the output's, and moves with any write a tracked view makes
+            with _disable_current_modes(), torch._C._SetExcludeDispatchKeyGuard(
+                    torch._C.DispatchKey.ADInplaceOrView, False):
                 alias = tensor.detach()
-            self.by_storage.setdefault(tensor_key(tensor), []).append((alias, *maker))
+            self.by_storage.setdefault(tensor_key(tensor), []).append(
+                (alias, *maker, alias._version))
         except Exception:  # a tensor without storage (a subclass): the search stops here
             self.broken = True
 
@@ -328,7 +370,8 @@ class _Made:
         for tensor in (t for t in tree_leaves(given) if isinstance(t, Tensor)):
             if tensor_key(tensor) in self.inputs:
                 continue
-            for original, made_in, index, op in self.by_storage.get(tensor_key(tensor), []):
+            for original, made_in, index, op, version in \
+                    self.by_storage.get(tensor_key(tensor), []):
                 if made_in != segment or not _same_layout(original, tensor) or op.value is None \
                         or op.value.device != tensor.device:
                     continue
@@ -338,12 +381,44 @@ class _Made:
                         continue
                     share = _differing(op.value, tensor.detach())
                 name = str(func.overloadpacket.__name__)
+                unversioned = original._version == version
                 self.stale[segment] = (
                     f"{name} in {tracker.module_path() or segment} (op {len(ops)} of the "
                     f"re-run) reads {op.op}'s output from the forward (op {index} of "
                     f"{segment}) instead of computing it, changed since the forward made it "
-                    f"({share:.0%} of its elements differ)")
+                    f"({share:.0%} of its elements differ)"
+                    + self._wrote(tensor_key(tensor), segment, index, op, unversioned),
+                    unversioned)
                 return
+
+    def _wrote(self, storage: int, segment: str, index: int, op: _Op,
+               unversioned: bool) -> str:
+        """How the forward changed the output ``op`` made: its first in-place write after
+        ``op`` ("" where none was seen), and whether the write moved its version counter."""
+        write = next((w for w in self.written.get(storage, [])
+                      if w[0] == segment and w[1] > index), None)
+        if write is None:
+            return ""
+        _, at, where, alias = write
+        if alias == (op.op, index):
+            through = "directly" + (", without moving its version counter" if unversioned
+                                    else "")
+        else:
+            shown = "a view of it" if alias is None else f"{alias[0]}'s output (op {alias[1]})"
+            through = f"through {shown}, which shares its memory" + (
+                " but not its version counter (autograd tracks it as no view)"
+                if unversioned else "")
+        changed = ", so nothing marked the saved output changed" if unversioned else ""
+        return f": {where} (op {at} of {segment}) wrote into it {through}{changed}"
+
+
+def _written(func: Any, args: Any, kwargs: dict[str, Any]) -> list[Tensor]:
+    """The tensors an op's schema says it writes into (``mul_``'s self)."""
+    schema = getattr(func, "_schema", None)
+    arguments = schema.arguments if schema is not None else []
+    values = [args[i] if i < len(args) else kwargs.get(a.name) for i, a in enumerate(arguments)
+              if a.alias_info is not None and a.alias_info.is_write]
+    return [v for v in values if isinstance(v, Tensor)]
 
 
 def _same_layout(a: Tensor, b: Tensor) -> bool:
@@ -407,7 +482,8 @@ def _search(tracker: _Tracker, segments: list[Any]) -> Divergence | None:
                                    tracker.partial if name in tracker.hooked else (),
                                    tracker.partial, served=name in tracker.made.served)
         if divergence is not None:
-            return replace(divergence, stale=tracker.made.stale.get(name, ""))
+            stale, unversioned = tracker.made.stale.get(name, ("", False))
+            return replace(divergence, stale=stale, stale_unversioned=unversioned)
     return None
 
 
