@@ -112,20 +112,26 @@ def test_memory_faults_still_fail_with_the_leak_named(name: str) -> None:
 INPLACE = "2L-layer-inplace-ops-manual-attn-relu-dropout"
 
 
-def test_torch_sac_declares_in_place_ops_which_it_refuses_by_design() -> None:
+def test_torch_sac_runs_in_place_cases_and_its_refusal_is_named_loud() -> None:
+    """torch-sac declines nothing: it is run, raises the mutation error on this case (a
+    Linear with a bias writes through a view it tracks), and the verdict says so."""
+    from gradequiv.harness.engine.verify import SAC_REFUSES_MUTATION
+
     sac = resolve("torch-sac")
-    assert "inplace-ops" in sac.declines("backward", find_case(INPLACE).features())
+    assert sac.declines("backward", find_case(INPLACE).features()) == ""
     verdict = verify(sac, find_case(INPLACE))
-    assert verdict.passed and verdict.seconds == {}  # not run at all
+    assert verdict.passed and verdict.seconds != {}  # run, not skipped
+    assert all(p.passed is None and "a loud refusal" in p.summary
+               and SAC_REFUSES_MUTATION in p.summary for p in verdict.properties)
 
 
 def test_a_users_policy_refusing_an_in_place_op_is_no_fault() -> None:
-    """torch's SAC raises when an in-place op writes into an output its policy saved: loud,
-    by design, never a wrong gradient. Undeclared, the case is not applicable; the same
-    error on a case without in-place ops stays a failure."""
+    """torch's SAC raises when an in-place op moves the version counter of an output its
+    policy saved: loud, by design, no wrong gradient. Undeclared, the case is not
+    applicable; the same error on a case without in-place ops stays a failure."""
     verdict = verify("correct_impls:user_matmul_policy_checkpoint", find_case(INPLACE))
     assert verdict.passed and verdict.error is None
-    assert all(p.passed is None and "refuses an in-place op" in p.summary
+    assert all(p.passed is None and "a loud refusal" in p.summary
                for p in verdict.properties)
     from gradequiv.harness.engine.verify import SAC_REFUSES_MUTATION
 

@@ -119,11 +119,17 @@ def extra_cases() -> list[Case]:
     spread so that it measures the implementation's core: the batchnorm model
     (torch re-runs BatchNorm in training mode and so updates its running
     statistics twice; with a training forward under no_grad first, a recompute
-    that updates them only in backward misses that forward's update) and frozen
+    that updates them only in backward misses that forward's update), frozen
     embeddings (the reentrant variant gives the
-    first layer no gradients when none of its inputs requires grad).
+    first layer no gradients when none of its inputs requires grad) and in-place
+    ops on bias-free layers (torch's selective checkpoint, saving matmul outputs,
+    hands the re-run a bmm's and an mm's output changed in place since, through an
+    alias that moved no version counter: pytorch/pytorch#113737, #119590).
     """
     return [
+        _case("2L-layer-inplace-ops-nobias-manual-attn", replace(
+            _SMALL, inplace_ops=True, bias=False, attention="manual", activation="relu",
+            **_ALL_DROPOUT), "layer", seed=37),
         _case("2L-layer-frozen-embeddings", replace(_SMALL, freeze_embeddings=True,
                                                     **_ALL_DROPOUT), "layer", seed=21),
         _case("batchnorm-layer", BatchNormConfig(n_layer=2, width=16, dropout=0.1), "layer",

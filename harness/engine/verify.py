@@ -276,11 +276,14 @@ def verify(
     refused = recompute.error is not None and SAC_REFUSES_MUTATION in recompute.error
     if refused and INPLACE_OPS in case.features():
         # torch's selective checkpoint refuses, loudly and by design, an in-place op on an
-        # output its policy saved: the case asks what this policy cannot do, nothing wrong
+        # output its policy saved: the case asks what this policy cannot do, nothing wrong.
+        # Only where the write moved the saved tensor's version counter: one through an
+        # alias that does not (a bias-free Linear's _unsafe_view) goes unseen and is checked
+        # like any other case (pytorch/pytorch#113737, #119590).
         verdict.properties = [PropertyResult(
-            name, None, "not applicable: torch's selective checkpoint refuses an in-place op "
-            "on an output its policy saved (it raises; declare gradequiv_unsupported = "
-            "(\"inplace-ops\",) to skip such cases)") for name in PROPERTIES]
+            name, None, f"not applicable: a loud refusal: torch's selective checkpoint "
+            f"raised \"{SAC_REFUSES_MUTATION}\" (an in-place op wrote into an output its "
+            f"policy saved), no wrong gradient") for name in PROPERTIES]
         return verdict
     if recompute.error is not None:
         verdict.error, verdict.error_at = recompute.error, recompute.error_at

@@ -16,7 +16,6 @@ from torch import nn
 from torch.utils._pytree import tree_flatten, tree_leaves, tree_unflatten
 
 from gradequiv.harness.errors import InvalidArgument
-from gradequiv.models.kinds import INPLACE_OPS
 
 #: ``gradequiv_strategy`` of a target that keeps activations in host memory instead of
 #: recomputing them (torch's offloads below; users mark their own the same way).
@@ -178,10 +177,14 @@ def torch_sac(function: Callable[..., Any], *args: Any, policy: str = "matmuls",
 
 
 torch_sac.gradequiv_strategy = SELECTIVE  # type: ignore[attr-defined]
-# An in-place op on an output its policy saved (scores scaled in place after their matmul)
-# makes torch's SAC raise "Tensor cached during selective activation checkpoint has been
-# mutated": a refusal by design, loud, never a wrong gradient.
-torch_sac.gradequiv_unsupported = (INPLACE_OPS,)  # type: ignore[attr-defined]
+# No declaration of in-place ops: torch's SAC refuses an in-place op on an output its policy
+# saved ("Tensor cached during selective activation checkpoint has been mutated") only where
+# the write moves that output's version counter (a Linear with a bias, a 2-D input: verify()
+# names the refusal and holds nothing against it). A bias-free Linear on a 3-D input (mm,
+# then _unsafe_view) or a bmm, whose output is then changed in place (mul_, an in-place
+# dropout), writes through an alias with a counter of its own: the re-run reads the changed
+# output and the gradients are silently wrong (pytorch/pytorch#113737, #119590), which the
+# checks must see.
 
 
 # -- torch: checkpoint_wrapper ------------------------------------------------------------

@@ -545,13 +545,20 @@ def _from_divergence(op: dict[str, Any]) -> tuple[str, str] | None:
             f"the autocast state (on or off, and its dtype) is not carried into the re-run")
     drawn, redrawn = op.get("draws") or (0, 0)
     if op.get("stale"):
+        how = "" if "wrote into it" in op["stale"] else (
+            "; an in-place op wrote into it after it was saved (a scale, a mask, an in-place "
+            "dropout)")
+        # torch's selective checkpoint raises only where the write moved the saved tensor's
+        # version counter (pytorch/pytorch#113737, #119590)
+        torch_sac = ("torch's selective checkpoint does not see such a write: it checks the "
+                     "saved tensor's version counter, which this one did not move; "
+                     "pytorch/pytorch#113737, #119590" if op.get("stale_unversioned")
+                     else "torch's selective checkpoint raises on this")
         return "saved-output-changed", (
             f"the recompute takes outputs of the forward's ops from a store instead of "
-            f"computing them, and one had changed since it was saved: {op['stale']}; an "
-            f"in-place op wrote into it after it was saved (a scale, a mask, an in-place "
-            f"dropout), and the re-run reads the changed values: save a copy, or leave "
-            f"outputs that are later changed in place out of what is saved (torch's "
-            f"selective checkpoint raises on this)")
+            f"computing them, and one had changed since it was saved: {op['stale']}{how}; "
+            f"the re-run reads the changed values: save a copy, or leave outputs that are "
+            f"later changed in place out of what is saved ({torch_sac})")
     if redrawn < drawn and (shape_a != shape_b or forward != again):
         return "dropout-skipped", (
             f"the re-run of {op['segment']} runs {redrawn or 'no'} random op"
