@@ -4,10 +4,26 @@ the plugin's option, a conftest's fixture and the Python API."""
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Callable
+from dataclasses import replace
+from typing import Any
+
 import pytest
 
-from gradequiv.harness import Implementation, find_case, resolve, verify
+from gradequiv.harness import (
+    Case,
+    Implementation,
+    default_cases,
+    extra_cases,
+    find_case,
+    resolve,
+    verify,
+)
 from gradequiv.harness.cli import main
+from gradequiv.harness.errors import InvalidArgument
+from gradequiv.harness.implementations.resolve import BUILTINS, builtin_target
+from gradequiv.models.kinds import GRAD_MODES
 
 SUITE = ["--pyargs", "gradequiv.properties", "-p", "no:cacheprovider"]
 AUTOGRAD_CASE = "2L-layer-autograd-grad-dropout"
@@ -77,3 +93,71 @@ def test_the_plugin_option_route_reads_it_too(pytester: pytest.Pytester) -> None
                                 "declared_reentrant_checkpoint", "--gradequiv-examples=3",
                                 "-k", f"test_gradients or {AUTOGRAD_CASE}")
     result.assert_outcomes(passed=1)  # the named case is not in its spread at all
+
+
+# -- a built-in's declaration is a claim: torch (or its library) refuses loudly there ----------
+
+def _builtin_declarations() -> list[tuple[str, str]]:
+    """(built-in, declined name) for each name in a built-in's ``gradequiv_unsupported``."""
+    return [(spec, name) for spec in BUILTINS
+            for name in getattr(builtin_target(spec), "gradequiv_unsupported", ())]
+
+
+def _declined_cases(name: str) -> list[Case]:
+    """The named cases asking for grad mode ``name`` or having feature ``name``: every one
+    a declaration declines, each a small one."""
+    cases = [c for c in default_cases() + extra_cases()
+             if c.grad_mode == name or name in c.features()]
+    assert cases, f"no named case asks for {name!r}: the declaration is untested"
+    return cases
+
+
+def _undeclared(impl: Implementation) -> Implementation:
+    """``impl`` with its ``gradequiv_unsupported`` taken off (its signature, strategy and
+    other claims kept)."""
+    target: Callable[..., Any] = functools.wraps(impl.target)(
+        lambda *args, **kwargs: impl.target(*args, **kwargs))
+    vars(target).pop("gradequiv_unsupported", None)
+    return Implementation(impl.spec, target, impl.adapter, dict(impl.kwargs),
+                          default_adapter=impl.default_adapter)
+
+
+def _not_refused_loudly(impl: Implementation, name: str) -> list[str]:
+    """The named cases with ``name`` on which ``impl``, its declaration ignored, does not
+    raise (nor get a refusal verify names as loud), or raises on the same case without
+    ``name`` too (a crash, not a refusal of ``name``)."""
+    undeclared = _undeclared(impl)
+    quiet = []
+    for case in _declined_cases(name):
+        assert not undeclared.declines(case.grad_mode, case.features())
+        verdict = verify(undeclared, case)
+        loud = verdict.error is not None or all(
+            "a loud refusal" in p.summary for p in verdict.properties)
+        plain = replace(case, grad_mode="backward") if name in GRAD_MODES else \
+            replace(case, model=replace(case.model, inplace_ops=False))
+        if not loud or verify(undeclared, plain).error is not None:
+            quiet.append(case.name)
+    return quiet
+
+
+def test_the_builtin_declarations_are_found() -> None:
+    assert ("torch-reentrant", "autograd-grad") in _builtin_declarations()
+
+
+@pytest.mark.parametrize(("spec", "declined"), _builtin_declarations())
+def test_each_builtin_declaration_has_a_loud_refusal_behind_it(spec: str,
+                                                               declined: str) -> None:
+    try:
+        impl = resolve(spec)
+    except InvalidArgument as exc:  # its library is not installed, or it needs CUDA
+        pytest.skip(f"{spec} cannot run here: {exc}")
+    quiet = _not_refused_loudly(impl, declined)
+    assert not quiet, (f"{spec} declares gradequiv_unsupported = ({declined!r},) but, "
+                       f"without the declaration, does not refuse loudly on {quiet}")
+
+
+def test_a_declaration_without_a_refusal_behind_it_is_caught() -> None:
+    """torch's non-reentrant checkpoint takes torch.autograd.grad: a declaration that it
+    refuses it is false, and the check above says so."""
+    assert _not_refused_loudly(resolve("torch"), "autograd-grad") == [
+        "2L-layer-autograd-grad-dropout"]
