@@ -31,8 +31,9 @@ GRAD_MODES = ("backward", "autograd-grad", "accumulate", "create-graph")
 #: activation checkpoint refuses a second backward over a region.
 OPT_IN_GRAD_MODES = ("create-graph",)
 #: What else a case may have that an implementation may refuse by design, loudly, and
-#: declare in ``gradequiv_unsupported``: in-place ops on intermediates (torch's selective
+#: declare in ``gradequiv_unsupported``: in-place ops on intermediates. (torch's selective
 #: checkpoint raises "Tensor cached during selective activation checkpoint has been
-#: mutated" when one writes into an output its policy saved).
+#: mutated" only where one moves the version counter of an output its policy saved, and is
+#: silently wrong elsewhere, so it declares nothing.)
 INPLACE_OPS = "inplace-ops"
 CASE_FEATURES = (INPLACE_OPS,)
