@@ -70,6 +70,13 @@ def assert_property(name: str, impl: Implementation, case: Case, node: pytest.It
                "case": case.to_dict(), "description": case.describe(), "reproduce": command}
     if found_by is not None:
         failure["found_by"] = found_by
+    elif not shrinking and currently_in_test_context():
+        same = _same_cause_as(impl, verdict, failure, device)
+        if same is not None:  # the fault has its minimal case: shrinking would find it again
+            run.unshrunk[node.name] = same
+            run.stop_shrinking(node.name)
+    if node.name in run.unshrunk:
+        failure["same_cause_as"] = run.unshrunk[node.name]
     node.user_properties[:] = [p for p in node.user_properties if p[0] != FAILURE_KEY]
     node.user_properties.append((FAILURE_KEY, failure))
     run.shrinking = (node.name, case)  # the smallest failure so far, for progress lines
@@ -90,6 +97,41 @@ def assert_known_failures(name: str, impl: Implementation, node: pytest.Item) ->
         verdict, _ = run.cache.verify(impl, case, run.device())
         if _failure(name, verdict):
             assert_property(name, impl, case, node, found_by=found_by)
+
+
+def _same_cause_as(impl: Implementation, verdict: Verdict, failure: dict[str, Any],
+                   device: Any) -> str | None:
+    """The earlier test whose minimal failure has every cause ``failure`` (a new one of a
+    drawn test) has; None if none, or if there is none yet. A later property test meeting a
+    fault already shrunk goes on to report it unshrunk, and the search time goes to faults
+    not yet found."""
+    run = runtime.RUN
+    if not run.minimal_cases:
+        return None
+    causes = _causes(impl, failure, verdict, device)
+    for test, known in run.minimal_cases:
+        first = run.cache.get(impl, known, device)
+        if first is None:
+            continue
+        earlier = {"property": test.removeprefix("test_"), "message": _failure(
+            test.removeprefix("test_"), first), "flaky": False, "case": known.to_dict(),
+            "description": known.describe(), "reproduce": _reproduce(impl, known, device)}
+        if causes <= _causes(impl, earlier, first, device):
+            return test
+    return None
+
+
+def _causes(impl: Implementation, failure: dict[str, Any], verdict: Verdict,
+            device: Any) -> set[str]:
+    """Every cause the diagnosis gives ``failure`` (its localisation is kept for the
+    report, which localises the same case)."""
+    from gradequiv.harness.reports.diagnosis import diagnose
+
+    found = dict(failure)
+    locate(impl, found)
+    diagnosis = diagnose(found, verdict_record(impl, verdict, device,
+                                               reproduce=failure["reproduce"]))
+    return {diagnosis.cause, *diagnosis.also}
 
 
 def _reproduce(impl: Implementation, case: Case, device: Any) -> str:

@@ -48,6 +48,10 @@ class RunObserver(Protocol):
 
     def case_finished(self, record: dict[str, Any]) -> None: ...
 
+    def stop_shrinking(self, test: str) -> None:
+        """``test`` tries no new case while shrinking from now on."""
+        self._shrinks[test] = [SHRINK_TRIES, time.monotonic()]
+
     def phase(self, what: str) -> None: ...
 
 
@@ -122,6 +126,8 @@ class SuiteState:
         #: (test, smallest failing case so far) while a test shrinks a failure, else None
         self.shrinking: tuple[str, Case] | None = None
         self._shrinks: dict[str, list[float]] = {}  # test -> [new cases tried, start]
+        #: test -> the earlier test whose minimal failure has its failure's every cause
+        self.unshrunk: dict[str, str] = {}
         #: a drawn test's minimal failure came back when replayed outside the cache
         self.failed_for_certain = False
         #: the pytest command line of a run started by pytest itself (None: by ``check``)
@@ -148,6 +154,10 @@ class SuiteState:
             return False
         tries[0] += 1
         return True
+
+    def stop_shrinking(self, test: str) -> None:
+        """``test`` tries no new case while shrinking from now on."""
+        self._shrinks[test] = [SHRINK_TRIES, time.monotonic()]
 
     def phase(self, what: str) -> None:
         """The run moves on to ``what`` (a replay, a localisation): tell the observer."""

@@ -70,6 +70,21 @@ def test_the_cause_is_said_first_and_each_minimal_failure_once(
     assert "/gradequiv-" not in summary  # no temporary folder of the suite
 
 
+def test_a_later_test_meeting_a_fault_already_shrunk_reports_it_unshrunk(
+        failing_run: dict[str, Any]) -> None:
+    """With only the RNG not restored, test_buffers finds running statistics that differ on
+    a case test_outputs' minimal failure does not cover; its cause is the same, so it is
+    not shrunk again: one shrink in the run, and the search goes on for other faults."""
+    from gradequiv.properties.runtime import SHRINK_TRIES
+
+    report = failing_run["report"]
+    buffers = next(f for f in report["minimal_failures"] if f["test"] == "test_buffers")
+    assert buffers.get("same_cause_as") == "test_outputs"
+    assert report["summary"]["shrink_attempts"] <= SHRINK_TRIES
+    assert [f["cause"] for f in report["faults"]] == ["rng-not-restored"]
+    assert "[not shrunk: same cause as minimal failure 1]" in failing_run["out"]
+
+
 def test_the_short_reproduce_line_replays_the_case_from_its_file(
         failing_run: dict[str, Any], tmp_path: Path) -> None:
     first = failing_run["report"]["minimal_failures"][0]
@@ -162,3 +177,32 @@ def test_the_floor_matters_only_between_a_reordered_sum_and_the_dtype_s_cap() ->
     assert not _floor_matters(checked(True, 0.0, 9.5e-7), bf16)
     assert not _floor_matters(checked(False, 1.0, 0.0), bf16)  # an integer tensor
     assert not _floor_matters(checked(False, 1e-4, 1e-5), Tolerance("fp32", rtol=1e-5))
+
+
+def test_every_distinct_fault_is_in_the_headline_of_the_terminal_and_report_md() -> None:
+    """Two faults, each in cases of its own (a drawn minimal failure, a named case) and a
+    third said as a further fault of one case: all three, in that order, each with where it
+    was seen and its command; a cause seen again is not listed twice."""
+    from gradequiv.harness.reports.findings import distinct_faults
+    from gradequiv.harness.reports.markdown import _diagnosis
+    from gradequiv.harness.reports.terminal import headline_lines
+
+    failures = [_failure("test_outputs", "A", "rng-not-restored", "outputs"),
+                _failure("test_named_case[one]", "C", "rng-not-restored"),
+                _failure("test_named_case[two]", "D", "autocast-lost")]
+    failures[2]["diagnosis"]["faults"] = [
+        {"cause": "autocast-lost", "sentence": "because autocast-lost"},
+        {"cause": "leak", "sentence": "because leak"}]
+    faults = distinct_faults(failures)
+    assert [(f["cause"], f["found_in"]) for f in faults] == [
+        ("rng-not-restored", "minimal failure 1"), ("autocast-lost", "named case two"),
+        ("leak", "named case two")]
+    lines = headline_lines(failures)
+    assert lines[0] == "likely causes (3 distinct faults):"
+    assert lines[1:3] == ["  1. because rng-not-restored",
+                          "     seen in minimal failure 1: case A; reproduce: A"]
+    assert headline_lines(failures[:2]) == ["likely cause: because rng-not-restored"]
+    markdown = _diagnosis({"failure": failures[0], "faults": faults})
+    assert markdown[0] == "### 3 distinct faults"
+    assert markdown[2] == ("1. **because rng-not-restored** (seen in minimal failure 1: case A): "
+                           "`A`")

@@ -53,6 +53,8 @@ class Diagnosis:
     sentence: str  # the headline's cause, then each further fault's ("and a second fault: ")
     evidence: list[str] = field(default_factory=list)
     also: list[str] = field(default_factory=list)  # further faults the evidence shows (CAUSES)
+    # each fault on its own, the headline's first: {"cause": ..., "sentence": ...}
+    faults: list[dict[str, str]] = field(default_factory=list)
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -69,11 +71,12 @@ def diagnose(failure: dict[str, Any], record: dict[str, Any] | None) -> Diagnosi
     cause, sentence = _cause(failure, record, failing)
     cause, sentence = _model_state(failure, record, cause) or (cause, sentence)
     also = _further_faults(cause, failure, record, failing)
+    faults = [{"cause": c, "sentence": s} for c, s in [(cause, sentence), *also]]
     for _, other in also:
         sentence += f"; and a second fault: {other}"
     if failure.get("flaky") and cause != "nondeterministic":
         evidence.append("the failure did not come back when the case was run again")
-    return Diagnosis(cause, sentence, evidence, [c for c, _ in also])
+    return Diagnosis(cause, sentence, evidence, [c for c, _ in also], faults)
 
 
 #: Causes read from the recompute property's counts and bytes: evidence no value fault makes.

@@ -145,6 +145,14 @@ def _diagnosis(report: dict[str, Any]) -> list[str]:
     diagnosis = failure.get("diagnosis") or {}
     if not diagnosis.get("sentence"):
         return []
+    faults = report.get("faults") or []
+    if len(faults) > 1:  # every fault the run found, each with its case and command
+        items = "".join(
+            f"<li><p class='sentence'>{escape(f['sentence'])}</p><p class='small'>seen in "
+            f"{escape(f['found_in'])}: {escape(f['case'])}</p>"
+            f"<pre class='command'>{escape(f['reproduce'])}</pre></li>" for f in faults)
+        return ["<section class='diagnosis'>", f"<p>{len(faults)} distinct faults:</p>",
+                f"<ol>{items}</ol>", "</section>"]
     parts = ["<section class='diagnosis'>",
              f"<p class='sentence'>{escape(diagnosis['sentence'])}</p>",
              *_list([str(e) for e in diagnosis.get("evidence") or []], "evidence")]

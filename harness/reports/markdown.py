@@ -80,6 +80,13 @@ def _diagnosis(report: dict[str, Any]) -> list[str]:
     diagnosis = (report.get("failure") or {}).get("diagnosis") or {}
     if not diagnosis.get("sentence"):
         return []
+    faults = report.get("faults") or []
+    if len(faults) > 1:  # every fault the run found, each with its case and command
+        lines = [f"### {len(faults)} distinct faults", ""]
+        for number, fault in enumerate(faults, start=1):
+            lines += [f"{number}. **{fault['sentence']}** (seen in {fault['found_in']}: "
+                      f"{fault['case']}): `{fault['reproduce']}`"]
+        return [*lines, ""]
     lines = [f"### {diagnosis['sentence']}", ""]
     evidence = [f"- {e}" for e in diagnosis.get("evidence") or []]
     lines += [*evidence, ""] if evidence else []

@@ -11,14 +11,29 @@ from __future__ import annotations
 
 from typing import Any
 
-from gradequiv.harness.reports.findings import failure_groups
+from gradequiv.harness.reports.findings import distinct_faults, failure_groups
 
-__all__ = ["output_lines", "summary_lines"]
+__all__ = ["headline_lines", "output_lines", "summary_lines"]
 
 #: named-case failures listed one per line before the rest are counted
 NAMED_LINES = 12
 #: lines of each stream the implementation printed shown for a failure (report.json keeps more)
 OUTPUT_LINES = 20
+
+
+def headline_lines(failures: list[dict[str, Any]]) -> list[str]:
+    """The likely cause, or where the run found several faults, each of them, most
+    important first, with the case that shows it and its command: a user who fixes the
+    first meets no second one unannounced."""
+    faults = distinct_faults(failures)
+    if len(faults) <= 1:
+        return [f"likely cause: {f['sentence']}" for f in faults]
+    lines = [f"likely causes ({len(faults)} distinct faults):"]
+    for number, fault in enumerate(faults, start=1):
+        lines.append(f"  {number}. {fault['sentence']}")
+        lines.append(f"     seen in {fault['found_in']}: {fault['case']}; "
+                     f"reproduce: {fault['reproduce']}")
+    return lines
 
 
 def summary_lines(failures: list[dict[str, Any]], errors: dict[str, str]) -> list[str]:
@@ -34,7 +49,11 @@ def summary_lines(failures: list[dict[str, Any]], errors: dict[str, str]) -> lis
         tests = ", ".join(f["test"] for f in group)
         props = ", ".join(dict.fromkeys(f["property"] for f in group))
         flaky = " [flaky: passed when run again]" if any(f["flaky"] for f in group) else ""
-        lines.append(f"minimal failure {number}: {first['description']}{flaky}")
+        same = next((f["same_cause_as"] for f in group if f.get("same_cause_as")), None)
+        known = next((n for n, g in enumerate(drawn, start=1)
+                      if any(f["test"] == same for f in g)), None)
+        unshrunk = f" [not shrunk: same cause as minimal failure {known}]" if known else ""
+        lines.append(f"minimal failure {number}: {first['description']}{flaky}{unshrunk}")
         lines.append(f"    fails: {props} ({tests})")
         diagnosis = first.get("diagnosis")
         if diagnosis:
