@@ -1,13 +1,15 @@
 """A failing ``gradequiv check`` against a passing one, as whole processes, side by side.
 
-Three implementations with the defaults: torch's checkpoint (passes), the same
-without RNG restore, and the README's hand-written example (forgets autocast).
-The rounds interleave the three, so a machine that slows down slows all of
-them; ``test_failing_over_passing`` prints each failing one's median wall
-time over the passing one's, with p95 and the report size. The aim: at most 2.
+torch's checkpoint (passes) beside four failing kinds, each a fault family a real
+checkpoint has: the RNG not restored (torch's own with preserve_rng_state=false), autocast
+lost (the README's hand-written example), keyword arguments dropped, and a leak (saved
+boundary inputs kept in a list never cleared). The rounds interleave all five, so a
+machine that slows down slows all of them; ``test_failing_over_passing`` prints each
+failing one's median and p95 wall time over the passing one's, and the report size. The
+aim: at most 1.5, and report.json under 1 MB.
 
-Run: ``tox -e bench -- -k bench_failing`` (about 6 minutes on 2 cores), on an
-otherwise idle machine.
+Run: ``tox -e bench -- -k bench_failing`` (about 10 minutes on 2 cores), on an otherwise
+idle machine.
 """
 
 from __future__ import annotations
@@ -25,6 +27,10 @@ RUNS = {
     "failing: torch without RNG restore": ["--impl", "torch", "--impl-kwarg",
                                            "preserve_rng_state=false"],
     "failing: README example (autocast lost)": ["--impl", "hand_written:my_checkpoint"],
+    "failing: keyword arguments dropped": [
+        "--impl", "gradequiv.harness.implementations.faults:kwargs_dropped"],
+    "failing: a leak (saved inputs kept)": [
+        "--impl", "gradequiv.harness.implementations.faults:saved_inputs_kept"],
 }
 ROUNDS = 5
 
