@@ -42,8 +42,8 @@ def test_the_cause_says_torch_does_not_see_it_with_the_issue_numbers() -> None:
 
 def test_a_write_through_a_tracked_view_is_one_torch_raises_on() -> None:
     """A store of the forward's matmul outputs by reference, a Linear with a bias: addmm's
-    output is changed in place (an in-place dropout) through its view, which moves its version counter; torch's
-    selective checkpoint raises there, and the cause says so."""
+    output is changed in place (an in-place dropout) through its view, which moves its
+    version counter; torch's selective checkpoint raises there, and the cause says so."""
     case = find_case("2L-layer-inplace-ops-manual-attn-relu-dropout")
     case = replace(case, model=replace(case.model, attention="sdpa"))  # in-place dropout
     assert case.model.bias
