@@ -83,7 +83,9 @@ def test_when_nothing_is_recomputed_it_says_so_instead_of_guessing() -> None:
 
 @pytest.mark.parametrize(("spec", "adapter"), [("wrong_impls:wrapper_that_raises", "wrapper"),
                                                ("wrong_impls:toggle_that_raises", "toggle"),
-                                               ("torch", "wrapper"),
+                                               # a checkpoint function called as a wrapper
+                                               ("torch.utils.checkpoint:checkpoint",
+                                                "wrapper"),
                                                ("wrong_impls:calls_sys_exit", "function")])
 def test_an_implementation_that_raises_or_exits_is_a_finding_not_a_crash(
         spec: str, adapter: str) -> None:
