@@ -58,6 +58,8 @@ COMMON = [
      "2L-layer-bf16-nested-inputs-dropout", {}),
     ("in-place ops, manual attention, dropout",
      "2L-layer-inplace-ops-manual-attn-relu-dropout", {}),
+    ("in-place ops, no biases, manual attention, dropout",
+     "2L-layer-inplace-ops-nobias-manual-attn", {}),
     ("value-changing hooks (LoRA, rescale, steering), dropout", "2L-layer-value-hooks-dropout",
      {}),
     ("parameters read from outside the segment, dropout", "2L-layer-outside-params-dropout",
@@ -203,6 +205,22 @@ WHY[("deepspeed", _NESTED)] = (
     "is not recomputed, and neither its parameters nor what feeds it through the nested "
     "tensors (`wpe.weight`) get a gradient, silently.")
 WHY[("deepspeed-nonreentrant", _NESTED)] = _DEEPSPEED_NR_AUTOCAST
+WHY[("torch-sac", "in-place ops, manual attention, dropout")] = (
+    "torch/utils/checkpoint.py, selective checkpoint's cache (`_VersionWrapper`): an in-place "
+    "op (`ReLU(inplace=True)`, the in-place residual dropout) wrote into a Linear's output "
+    "the policy saved (`addmm`, then a view autograd tracks), which moves the saved tensor's "
+    "version counter, and torch refuses in backward ('Tensor cached during selective "
+    "activation checkpoint has been mutated'). A loud refusal, no wrong gradient: not "
+    "applicable. The same model without biases is silently wrong (the next row).")
+WHY[("torch-sac", "in-place ops, no biases, manual attention, dropout")] = (
+    "torch/utils/checkpoint.py, selective checkpoint's cache: it checks a saved output's "
+    "version counter, and only that. `q @ k.transpose(-2, -1)` runs `bmm` then "
+    "`_unsafe_view`, and a bias-free `nn.Linear` on a 3-D input runs `mm` then "
+    "`_unsafe_view`; `_unsafe_view`'s output shares the saved output's memory but not its "
+    "version counter, so the in-place `mul_` (the score scale, an in-place dropout) changes "
+    "the saved output unseen and the re-run reads the changed values: silently wrong "
+    "gradients. With a bias (`addmm`, then a view autograd tracks) or a 2-D input torch "
+    "raises instead (pytorch/pytorch#113737, #119590).")
 WHY[("hf", "preserve_rng_state=false, Llama")] = (
     "transformers/modeling_layers.py: `GradientCheckpointingLayer.__call__` hands the layer to "
     "torch's checkpoint with the user's `gradient_checkpointing_kwargs`, so "
@@ -213,7 +231,9 @@ WHY[("hf", "preserve_rng_state=false, Llama")] = (
 class Row:
     spec: str
     label: str
-    verdict: str  # PASS, FAIL, SKIP (a grad mode it declares unsupported), or "not run"
+    #: PASS, FAIL, N/A (a loud refusal, not applicable), SKIP (a grad mode it declares
+    #: unsupported), or "not run"
+    verdict: str
     failed: str  # failing properties, comma separated, or the reason it did not run
     worst: str
     first: str
@@ -244,9 +264,11 @@ def run_rows(spec: str) -> list[Row]:
         worst_text = "-" if worst is None else (
             "0 (bitwise equal)" if worst.rel_error == 0 else
             f"{worst.rel_error:.3g} ({worst.property})")
-        rows.append(Row(spec, label, "PASS" if verdict.passed else "FAIL",
-                        ", ".join(failed) or "-", worst_text,
-                        _cell(verdict.first_failure) or "-", command))
+        refused = verdict.passed and all(p.passed is None for p in verdict.properties)
+        first = verdict.properties[0].summary if refused else verdict.first_failure
+        rows.append(Row(spec, label, "N/A" if refused else "PASS" if verdict.passed
+                        else "FAIL", ", ".join(failed) or "-", worst_text,
+                        _cell(first) or "-", command))
         print(f"{spec:24s} {label:44s} {rows[-1].verdict}", file=sys.stderr, flush=True)
     return rows
 
@@ -263,9 +285,31 @@ def _version(dist: str) -> str:
         return "not installed"
 
 
-def render(rows: dict[str, list[Row]]) -> str:
+def sections(text: str) -> dict[str, str]:
+    """Implementation -> its section of the doc, from its heading to the next one."""
+    found: dict[str, str] = {}
+    for part in re.split(r"(?m)^(?=## `)", text)[1:]:
+        found[part.splitlines()[0][4:].rstrip("`")] = part.rstrip() + "\n"
+    return found
+
+
+def _old_versions(text: str) -> dict[str, str]:
+    """Distribution -> the version the doc's conditions line names."""
+    line = next((x for x in text.splitlines() if x.startswith("Conditions: ")), "")
+    return dict(re.findall(r"([\w-]+) ([\w.+]+)(?:,|;)", line.removeprefix("Conditions: ")))
+
+
+def render(rows: dict[str, list[Row]], old: str = "") -> str:
+    """The doc; an implementation that cannot run here keeps ``old``'s section, and its
+    library the version that section was measured with."""
+    kept = {spec: text for spec, text in sections(old).items()
+            if spec in rows and rows[spec][0].verdict == "not run"}
+    measured = _old_versions(old)
+    kept_dists = {LIBRARIES[spec] for spec in kept}
     dists = sorted({dist for dist in LIBRARIES.values()})
-    versions = ", ".join(f"{d} {_version(d)}" for d in dists)
+    versions = ", ".join(
+        f"{d} {measured[d] if d in kept_dists and d in measured else _version(d)}"
+        for d in dists)
     out = [
         "# What gradequiv finds in the recompute implementations people train with",
         "",
@@ -275,13 +319,18 @@ def render(rows: dict[str, list[Row]]) -> str:
         "tiny models, `--model gradequiv.models.hf:llama` or `:gpt2`): two optimizer steps, every "
         "property. The worst relative error is over every tensor compared, with the property "
         "it belongs to; on CPU a correct recompute is bitwise equal to full storage, so the "
-        "bound for an fp32 gradient is 9.5e-7 even under bf16 autocast.",
+        "bound for an fp32 gradient is 9.5e-7 even under bf16 autocast. N/A: the "
+        "implementation refused the case loudly and by design (torch's selective checkpoint's "
+        "'has been mutated' error), which is held neither for nor against it.",
         "",
         f"Conditions: {versions}; Python {platform.python_version()}, CPU "
         f"({platform.machine()}), {torch.get_num_threads()} threads, no GPU.",
         "",
     ]
     for spec in IMPLEMENTATIONS:
+        if spec in kept:
+            out += [kept[spec].rstrip(), ""]
+            continue
         out += [f"## `{spec}`", ""]
         first = rows[spec][0]
         if first.verdict == "not run":
@@ -295,7 +344,7 @@ def render(rows: dict[str, list[Row]]) -> str:
         for row in rows[spec]:
             mark = ""
             why = WHY.get((spec, row.label))
-            if row.verdict == "FAIL":
+            if row.verdict == "FAIL" or (row.verdict == "N/A" and why):
                 note = why or "Not yet traced to the library's code."
                 if note not in notes:
                     notes.append(note)
@@ -308,7 +357,7 @@ def render(rows: dict[str, list[Row]]) -> str:
     return "\n".join(out).rstrip() + "\n"
 
 
-_ROW = re.compile(r"^\| (?P<label>[^|]+?) \| \*\*(?P<verdict>PASS|FAIL|SKIP)\*\*[^|]* \| "
+_ROW = re.compile(r"^\| (?P<label>[^|]+?) \| \*\*(?P<verdict>PASS|FAIL|N/A|SKIP)\*\*[^|]* \| "
                   r"(?P<failed>[^|]+?) \|")
 
 
@@ -332,7 +381,7 @@ def main(argv: list[str] | None = None) -> int:
                         help=f"compare with {DOC.name} instead of writing it")
     args = parser.parse_args(argv)
     rows = {spec: run_rows(spec) for spec in IMPLEMENTATIONS}
-    text = render(rows)
+    text = render(rows, DOC.read_text(encoding="utf-8") if DOC.exists() else "")
     if not args.check:
         DOC.write_text(text, encoding="utf-8")
         print(f"wrote {DOC}", file=sys.stderr)
