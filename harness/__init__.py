@@ -1,5 +1,8 @@
 """The engine: run full storage and recompute on one fixed batch and compare.
 
+``check(impl, model=...)`` is ``gradequiv check`` for a user's own test suite (in
+a child process by default) and returns a :class:`Report`; ``assert_equivalent``
+fails a test with its diagnosis.
 ``verify(impl, case)`` returns a :class:`Verdict` with every metric; no
 Hypothesis in here (the property layer only chooses cases).
 
@@ -15,6 +18,7 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
+    from gradequiv.harness.api import Failure, Report, assert_equivalent, check
     from gradequiv.harness.engine.case import DTYPES, Case
     from gradequiv.harness.engine.compare import PairMetrics, Tolerance, measure_pairs
     from gradequiv.harness.engine.spread import default_cases, extra_cases, find_case
@@ -31,6 +35,7 @@ if TYPE_CHECKING:
 
 #: public name -> the module that defines it
 _WHERE = {
+    "check": "api", "assert_equivalent": "api", "Report": "api", "Failure": "api",
     "DTYPES": "engine.case", "Case": "engine.case",
     "PairMetrics": "engine.compare", "Tolerance": "engine.compare",
     "measure_pairs": "engine.compare",
@@ -48,13 +53,17 @@ __all__ = [
     "DTYPES",
     "PROPERTIES",
     "Case",
+    "Failure",
     "Implementation",
     "InvalidArgument",
     "PairMetrics",
     "PropertyResult",
+    "Report",
     "TensorCheck",
     "Tolerance",
     "Verdict",
+    "assert_equivalent",
+    "check",
     "default_cases",
     "extra_cases",
     "find_case",

@@ -36,7 +36,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("gradequiv.harness.reports",),
     ("gradequiv.properties",),
     ("gradequiv.harness.commands",),
-    ("gradequiv.harness.cli", "gradequiv.harness.__main__"),
+    ("gradequiv.harness.cli", "gradequiv.harness.__main__", "gradequiv.harness.api"),
 )
 #: harness/__init__.py, the public API (names that load engine modules lazily): by exact
 #: name only, and on the properties layer, so that properties/ and above may use it.
