@@ -1,8 +1,10 @@
 """The pytest plugin (entry point ``pytest11``): options, fixture, header, progress, summary.
 
 Loaded into every pytest run where gradequiv is installed, so it imports
-neither torch nor the engine at import time; it only acts on runs that
-collect the property suite. The run's options come from ``gradequiv check``
+neither torch nor the engine at import time, and it is inert unless the run
+asks for gradequiv (:func:`_asked`: a ``--gradequiv-*`` option, a
+``GRADEQUIV_*`` variable, a ``gradequiv_*`` ini key, the property suite named or
+collected): elsewhere it prints nothing, adds no fixture and changes no outcome. The run's options come from ``gradequiv check``
 (a ``SuiteRun``), from the xdist controller, or from the ``--gradequiv-*``
 options, each with an ini key and an environment variable (command line >
 environment > ini > default), validated by ``gradequiv.harness.options``.
@@ -12,6 +14,7 @@ them into report.json.
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import os
 import random
@@ -159,7 +162,51 @@ def _options(config: pytest.Config) -> tuple[CheckOptions, Any, Any]:
     return options, None, None
 
 
+_ACTIVE = pytest.StashKey[bool]()
+
+
+def _asked(config: pytest.Config) -> bool:
+    """Whether this run asked for gradequiv: a command or an xdist controller handed it
+    options, a ``--gradequiv-*`` option, a ``GRADEQUIV_*`` variable or a ``gradequiv_*``
+    ini key is set, or the arguments name the property suite. Elsewhere (a user's own
+    suite in a project that installs gradequiv) the plugin adds nothing to the run."""
+    if any(isinstance(p, SuiteRun) for p in config.pluginmanager.get_plugins()):
+        return True
+    if "gradequiv_options" in getattr(config, "workerinput", {}):
+        return True
+    for name, _, _ in _OPTIONS:
+        if config.getoption(_dest(name)) not in (None, False, []):
+            return True
+        if os.environ.get("GRADEQUIV_" + name.upper().replace("-", "_")):
+            return True
+        if config.getini(_dest(name)):
+            return True
+    suite = Path(__file__).parent
+    for arg in config.invocation_params.args:
+        text = str(arg).split("::")[0]
+        if text.startswith("gradequiv.properties"):
+            return True
+        with contextlib.suppress(OSError, ValueError):
+            path = (config.invocation_params.dir / text).resolve()
+            if path == suite or suite in path.parents or path in suite.parents:
+                return True
+    return False
+
+
+def _active(config: pytest.Config) -> bool:
+    return config.stash.get(_ACTIVE, False)
+
+
 def pytest_configure(config: pytest.Config) -> None:
+    if _asked(config):
+        _activate(config)
+
+
+def _activate(config: pytest.Config) -> None:
+    """Set the run up: options, the implementation fixture, the gatherer, progress lines."""
+    if _active(config):
+        return
+    config.stash[_ACTIVE] = True
     options, implementation, observer = _options(config)
     runtime.RUN = runtime.SuiteState(options, implementation, observer)
     if not any(isinstance(p, SuiteRun) for p in config.pluginmanager.get_plugins()):
@@ -179,6 +226,7 @@ def pytest_configure(config: pytest.Config) -> None:
     worker = getattr(config, "workerinput", {}).get("workerid")
     if worker and options.impl and options.device != "cpu":
         _pin_worker_gpu(worker)
+    config.pluginmanager.register(_Fixtures(), "gradequiv-fixtures")
     config.pluginmanager.register(_Gatherer(config), "gradequiv-gatherer")
     capture = config.pluginmanager.getplugin("capturemanager")
     if runtime.RUN.pytest_args is None and capture is not None:  # pytest shows none of it
@@ -307,6 +355,7 @@ def _why_failed(longrepr: str) -> str:
 
 def pytest_pycollect_makemodule(module_path: Path, parent: pytest.Collector) -> Any:
     if module_path.name == "test_recompute.py" and module_path.parent == Path(__file__).parent:
+        _activate(parent.config)  # the suite collected by a path the arguments did not name
         return _SuiteModule.from_parent(parent, path=module_path)
     return None
 
@@ -314,10 +363,13 @@ def pytest_pycollect_makemodule(module_path: Path, parent: pytest.Collector) -> 
 @pytest.hookimpl(optionalhook=True)
 def pytest_configure_node(node: Any) -> None:
     """xdist: every worker runs with the controller's options (its seed included)."""
-    node.workerinput["gradequiv_options"] = runtime.RUN.options.to_json()
+    if _active(node.config):
+        node.workerinput["gradequiv_options"] = runtime.RUN.options.to_json()
 
 
-def pytest_report_header(config: pytest.Config) -> str:
+def pytest_report_header(config: pytest.Config) -> str | None:
+    if not _active(config):
+        return None
     options = runtime.RUN.options
     shard = "" if options.shard == (1, 1) else f", shard {options.shard[0]}/{options.shard[1]}"
     return (f"gradequiv: Using --gradequiv-seed={options.seed} (profile {options.profile}, "
@@ -325,22 +377,29 @@ def pytest_report_header(config: pytest.Config) -> str:
             f"impl {options.impl or 'unset'})")
 
 
-@pytest.fixture(scope="session")
-def recompute_impl() -> Any:
-    """The implementation under test; override this fixture in a conftest to supply your own."""
-    from gradequiv.harness import InvalidArgument
+class _Fixtures:
+    """The suite's fixture, registered only on a run that asked for gradequiv (a user's own
+    suite keeps the name ``recompute_impl`` for itself)."""
 
-    if not runtime.RUN.options.impl:
-        pytest.fail("no implementation to check: pass --gradequiv-impl SPEC (or set "
-                    "GRADEQUIV_IMPL), or override the recompute_impl fixture", pytrace=False)
-    try:
-        return runtime.RUN.implementation()
-    except InvalidArgument as exc:
-        pytest.fail(str(exc), pytrace=False)
+    @pytest.fixture(scope="session")
+    def recompute_impl(self) -> Any:
+        """The implementation under test; override this fixture in a conftest to supply
+        your own."""
+        from gradequiv.harness import InvalidArgument
+
+        if not runtime.RUN.options.impl:
+            pytest.fail("no implementation to check: pass --gradequiv-impl SPEC (or set "
+                        "GRADEQUIV_IMPL), or override the recompute_impl fixture",
+                        pytrace=False)
+        try:
+            return runtime.RUN.implementation()
+        except InvalidArgument as exc:
+            pytest.fail(str(exc), pytrace=False)
 
 
 def pytest_runtest_setup(item: pytest.Item) -> None:
-    runtime.RUN.shrinking = None  # a new test: no failure of its own yet
+    if _active(item.config):
+        runtime.RUN.shrinking = None  # a new test: no failure of its own yet
 
 
 @pytest.hookimpl(wrapper=True)
@@ -349,7 +408,8 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) ->
     find the first recompute op that differs from the original forward."""
     report = yield
     funcargs: dict[str, Any] = getattr(item, "funcargs", {})
-    if call.when == "call" and report.failed and "recompute_impl" in funcargs:
+    if (call.when == "call" and report.failed and "recompute_impl" in funcargs
+            and _active(item.config)):
         from gradequiv.properties.assertions import locate, replay_passes
 
         impl = funcargs["recompute_impl"]

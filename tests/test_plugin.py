@@ -208,3 +208,46 @@ def test_the_reproduce_line_of_a_fixture_implementation_replays_its_failure(
     again = pytester.runpytest(*args[3:])
     again.assert_outcomes(passed=len(PROPERTIES) - 1, failed=1)  # the one case, replayed
     again.stdout.fnmatch_lines(["    fails: recompute (test_recompute)"])
+
+
+USERS_SUITE = '''
+import pytest
+
+@pytest.mark.parametrize("case", [1, 2, 3])
+def test_a_parameter_named_case(case):
+    assert case > 0
+
+def test_recompute_impl_is_not_ours(request):
+    assert "recompute_impl" not in request.fixturenames
+    with pytest.raises(pytest.FixtureLookupError):
+        request.getfixturevalue("recompute_impl")
+
+def test_fails_as_it_would():
+    assert False
+'''
+
+
+def test_an_unrelated_suite_sees_nothing_of_gradequiv(pytester: pytest.Pytester) -> None:
+    """A project that installs gradequiv runs its own suite: no header, no summary, no
+    fixture, and the outcomes it gets without the plugin."""
+    pytester.makepyfile(test_users=USERS_SUITE)
+    with_plugin = pytester.runpytest("-p", "no:cacheprovider", "-rA")
+    without = pytester.runpytest("-p", "no:cacheprovider", "-rA", "-p", "no:gradequiv")
+    with_plugin.assert_outcomes(passed=4, failed=1)
+    without.assert_outcomes(passed=4, failed=1)
+    lines = [*with_plugin.stdout.lines, *with_plugin.stderr.lines]
+    ours = [line for line in lines if "gradequiv" in line.lower()
+            and not line.startswith(("rootdir:", "plugins:"))  # pytest's own list
+            and str(pytester.path) not in line]
+    assert ours == []
+    assert with_plugin.ret == without.ret == 1
+
+
+def test_the_plugin_acts_when_asked_by_an_option_or_a_variable(
+        pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch) -> None:
+    pytester.makepyfile(test_users="def test_one():\n    pass\n")
+    asked = pytester.runpytest("-p", "no:cacheprovider", "--gradequiv-seed=5")
+    asked.stdout.fnmatch_lines(["gradequiv: Using --gradequiv-seed=5*"])
+    monkeypatch.setenv("GRADEQUIV_SEED", "6")
+    pytester.runpytest("-p", "no:cacheprovider").stdout.fnmatch_lines(
+        ["gradequiv: Using --gradequiv-seed=6*"])
