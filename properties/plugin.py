@@ -4,7 +4,8 @@ Loaded into every pytest run where gradequiv is installed, so it imports
 neither torch nor the engine at import time, and it is inert unless the run
 asks for gradequiv (:func:`_asked`: a ``--gradequiv-*`` option, a
 ``GRADEQUIV_*`` variable, a ``gradequiv_*`` ini key, the property suite named or
-collected): elsewhere it prints nothing, adds no fixture and changes no outcome. The run's options come from ``gradequiv check``
+collected): elsewhere it prints nothing, adds no fixture and changes no outcome.
+The run's options come from ``gradequiv check``
 (a ``SuiteRun``), from the xdist controller, or from the ``--gradequiv-*``
 options, each with an ini key and an environment variable (command line >
 environment > ini > default), validated by ``gradequiv.harness.options``.
