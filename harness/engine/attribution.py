@@ -64,17 +64,21 @@ import torch
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from gradequiv.harness.engine.memory import Rider, host_mode
+
 #: A parameter's ``id`` -> (a weak reference to it, the counted modules that own it).
 _Owners = dict[int, tuple["weakref.ref[nn.Parameter]", tuple[str, ...]]]
 
 
-class ParameterUses:
+class ParameterUses(Rider):
     """Count, per counted module, the ops that read its parameters, per phase.
 
     ``uses[name]`` is ``[forward-phase ops, backward-phase grad-enabled ops]``;
     ``phase()`` says which (0 forward, 1 backward: the runner's ``_Phase.index``).
     A parameter shared by several counted modules counts for each; an op that
-    reads several parameters of one module counts once for it.
+    reads several parameters of one module counts once for it. Entered inside an
+    ``ActivationCounter`` it rides on that counter's mode (``memory.Rider``) rather than
+    pushing its own.
     """
 
     def __init__(self, modules: Mapping[str, nn.Module], phase: Callable[[], int]) -> None:
@@ -83,6 +87,7 @@ class ParameterUses:
         self.uses: dict[str, list[int]] = {name: [0, 0] for name in self._modules}
         self._owners: _Owners = {}
         self._mode: _UseMode | None = None
+        self._host: Any = None  # the counter's mode it rides on, while entered
         self._rerun_hits: set[str] = set()  # modules read in backward with grad on, lately
 
     def reset(self) -> None:
@@ -92,9 +97,14 @@ class ParameterUses:
         self._rerun_hits = set()
 
     def __enter__(self) -> ParameterUses:
-        if self._mode is not None:
+        if self._mode is not None or self._host is not None:
             raise RuntimeError("ParameterUses is already active; enter it once at a time")
         self._owners = _owners(self._modules)
+        host = host_mode()
+        if host is not None:
+            self._host = host
+            host.ride(self)
+            return self
         self._mode = _UseMode(self)
         self._mode.__enter__()  # type: ignore[no-untyped-call]
         return self
@@ -102,7 +112,10 @@ class ParameterUses:
     def __exit__(self, kind: type[BaseException] | None, error: BaseException | None,
                  trace: TracebackType | None) -> None:
         mode, self._mode = self._mode, None
+        host, self._host = self._host, None
         self._owners = {}
+        if host is not None:
+            host.alight(self)
         if mode is not None:
             mode.__exit__(kind, error, trace)  # type: ignore[no-untyped-call]
 
@@ -116,6 +129,24 @@ class ParameterUses:
             uses[name][phase] += 1
         if phase:
             self._rerun_hits |= hit
+
+    def before(self, args: tuple[Any, ...], kwargs: dict[str, Any] | None) -> None:
+        # The hot path, once per op: look each argument up by id, flat or one list/tuple
+        # deep (aten's Tensor[] and Tensor?[]; deeper nesting does not occur, so no pytree).
+        owners = self._owners
+        hit: set[str] | None = None
+        for arg in (*args, *kwargs.values()) if kwargs else args:
+            if type(arg) is list or type(arg) is tuple:
+                for item in arg:
+                    entry = owners.get(id(item))
+                    if entry is not None and entry[0]() is item:
+                        hit = set(entry[1]) if hit is None else hit.union(entry[1])
+            else:
+                entry = owners.get(id(arg))
+                if entry is not None and entry[0]() is arg:
+                    hit = set(entry[1]) if hit is None else hit.union(entry[1])
+        if hit is not None:
+            self._count(hit)
 
     def take_rerun_hits(self) -> set[str]:
         """The modules whose parameters backward's grad-enabled ops read since the last
@@ -141,22 +172,7 @@ class _UseMode(TorchDispatchMode):  # type: ignore[no-untyped-call]
 
     def __torch_dispatch__(self, func: Any, types: Any, args: tuple[Any, ...] = (),
                            kwargs: dict[str, Any] | None = None) -> Any:
-        # The hot path, once per op: look each argument up by id, flat or one list/tuple
-        # deep (aten's Tensor[] and Tensor?[]; deeper nesting does not occur, so no pytree).
-        owners = self._uses._owners
-        hit: set[str] | None = None
-        for arg in (*args, *kwargs.values()) if kwargs else args:
-            if type(arg) is list or type(arg) is tuple:
-                for item in arg:
-                    entry = owners.get(id(item))
-                    if entry is not None and entry[0]() is item:
-                        hit = set(entry[1]) if hit is None else hit.union(entry[1])
-            else:
-                entry = owners.get(id(arg))
-                if entry is not None and entry[0]() is arg:
-                    hit = set(entry[1]) if hit is None else hit.union(entry[1])
-        if hit is not None:
-            self._uses._count(hit)
+        self._uses.before(args, kwargs)
         if kwargs:
             return func(*args, **kwargs)
         return func(*args)

@@ -28,14 +28,15 @@ the end of each re-run: for the verdict), ``SavedBytes`` (a compiled graph) and
 
 from __future__ import annotations
 
+import contextlib
 import weakref
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from types import TracebackType
 from typing import TYPE_CHECKING, Any, cast
 
 import torch
 from torch import Tensor
-from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._python_dispatch import TorchDispatchMode, _get_current_dispatch_mode
 
 from gradequiv.harness.engine.outputs import tensor_leaves
 
@@ -99,10 +100,52 @@ def _release(*key_sets: set[int]) -> None:
         keys.clear()
 
 
+def _record(func: Any, out: Any, into: set[int]) -> None:
+    """Add a weak reference to each new storage among ``func``'s returns ``out`` to
+    ``into``; the per-op hot path."""
+    fresh = _FRESH_RETURNS.get(func)
+    if fresh is None:
+        fresh = _FRESH_RETURNS[func] = _fresh_returns(func)
+    if fresh is True:
+        if isinstance(out, Tensor):
+            try:
+                storage = out.untyped_storage()
+            except (NotImplementedError, RuntimeError):
+                return
+            if storage._cdata not in into:
+                into.add(storage._weak_ref())  # type: ignore[arg-type]  # an int
+        elif isinstance(out, (tuple, list)):
+            _weak_keys(_tensors(out), into)
+    elif fresh:  # some returns alias an input: record only the others
+        _weak_keys(_tensors([out[i] for i in fresh]), into)
+
+
+class Rider:
+    """A watch that rides on a running ``ActivationCounter``'s dispatch mode instead of
+    pushing its own: one Python call per op however many watch (each stacked mode costs
+    about as much again as the op on a small model). ``before`` sees the op's arguments
+    before it runs, ``after`` its returns and whether grad mode was on; entered while the
+    counter's mode is the innermost, it sees exactly what its own mode there would have."""
+
+    def before(self, args: tuple[Any, ...], kwargs: dict[str, Any] | None) -> None:
+        """Called before each op runs."""
+
+    def after(self, func: Any, out: Any, grad: bool) -> None:
+        """Called after each op ran."""
+
+
+def host_mode() -> _StorageRecorder | None:
+    """The innermost dispatch mode, where it is an ``ActivationCounter``'s that a
+    ``Rider`` may ride on (None: enter a mode of one's own)."""
+    mode = _get_current_dispatch_mode()
+    return mode if type(mode) is _StorageRecorder else None
+
+
 # torch leaves TorchDispatchMode untyped (__init_subclass__, __init__, __enter__,
 # __exit__): hence the no-untyped-call ignores on subclassing and on those calls.
 class _StorageRecorder(TorchDispatchMode):  # type: ignore[no-untyped-call]
-    """Adds each new output storage's weak reference to ``seen``; the per-op hot path."""
+    """Adds each new output storage's weak reference to ``seen``, and tells the riders
+    (``Rider``: the parameter-use count, the backward's carry) of each op."""
 
     @classmethod
     def _should_skip_dynamo(cls) -> bool:
@@ -114,6 +157,24 @@ class _StorageRecorder(TorchDispatchMode):  # type: ignore[no-untyped-call]
     def __init__(self, seen: set[int]) -> None:
         super().__init__()  # type: ignore[no-untyped-call]
         self.seen = seen
+        self.riders: tuple[Rider, ...] = ()
+        # The riders' own hooks (a rider that keeps the default has nothing to do there):
+        # before, newest first, as stacked modes would run them (the last entered is the
+        # innermost); after, oldest first.
+        self._before: tuple[Callable[[tuple[Any, ...], dict[str, Any] | None], None], ...] = ()
+        self._after: tuple[Callable[[Any, Any, bool], None], ...] = ()
+
+    def ride(self, rider: Rider) -> None:
+        self._set_riders((*self.riders, rider))
+
+    def alight(self, rider: Rider) -> None:
+        self._set_riders(tuple(r for r in self.riders if r is not rider))
+
+    def _set_riders(self, riders: tuple[Rider, ...]) -> None:
+        self.riders = riders
+        self._before = tuple(r.before for r in reversed(riders)
+                             if type(r).before is not Rider.before)
+        self._after = tuple(r.after for r in riders if type(r).after is not Rider.after)
 
     def __torch_dispatch__(
         self,
@@ -122,22 +183,17 @@ class _StorageRecorder(TorchDispatchMode):  # type: ignore[no-untyped-call]
         args: tuple[Any, ...] = (),
         kwargs: dict[str, Any] | None = None,
     ) -> Any:
+        if not self.riders:
+            out = func(*args, **(kwargs or {}))
+            _record(func, out, self.seen)
+            return out
+        for before in self._before:
+            before(args, kwargs)
+        grad = torch.is_grad_enabled()
         out = func(*args, **(kwargs or {}))
-        fresh = _FRESH_RETURNS.get(func)
-        if fresh is None:
-            fresh = _FRESH_RETURNS[func] = _fresh_returns(func)
-        if fresh is True:
-            if isinstance(out, Tensor):
-                try:
-                    storage = out.untyped_storage()
-                except (NotImplementedError, RuntimeError):
-                    return out
-                if storage._cdata not in self.seen:
-                    self.seen.add(storage._weak_ref())  # type: ignore[arg-type]  # an int
-            elif isinstance(out, (tuple, list)):
-                _weak_keys(_tensors(out), self.seen)
-        elif fresh:  # some returns alias an input: record only the others
-            _weak_keys(_tensors([out[i] for i in fresh]), self.seen)
+        _record(func, out, self.seen)
+        for after in self._after:
+            after(func, out, grad)
         return out
 
 
@@ -226,6 +282,21 @@ class ActivationCounter(_ModeScope):
                 storage = _new_with_weak_ptr(key)
                 if storage is not None:
                     yield key, storage
+
+    @contextlib.contextmanager
+    def paused(self) -> Iterator[None]:
+        """Record nothing inside this block (the counter's mode off the stack, where it is
+        the innermost), then go on with the same record: for work whose storages no figure
+        reads (full storage's first backward, where no leak is counted)."""
+        mode = self._mode
+        if mode is None or _get_current_dispatch_mode() is not mode:
+            yield
+            return
+        mode.__exit__(None, None, None)  # type: ignore[no-untyped-call]
+        try:
+            yield
+        finally:
+            mode.__enter__()  # type: ignore[no-untyped-call]
 
     def held_bytes(self, *, ignore: Iterable[Any] = ()) -> int:
         """Bytes of the storages created in the block and alive now, each counted once.
@@ -330,7 +401,7 @@ class _LoggedKeys(set[int]):
         self.added.append(key)
 
 
-class RecomputeCarry(_ModeScope):
+class RecomputeCarry(_ModeScope, Rider):
     """Context manager around a backward: how much a segment's earlier re-runs still hold
     when another segment's re-run ends, and the most activation bytes alive then.
 
@@ -343,7 +414,8 @@ class RecomputeCarry(_ModeScope):
     kept. A recompute that keeps them (a reference cycle between a Function's context and
     its graph, a list cleared when backward ends) carries every earlier re-run into the
     next, and its peak grows back to full storage's. Cheap enough for the verdict: the
-    alive bytes are summed once per re-run, not once per op (``BackwardPeak``).
+    alive bytes are summed once per re-run, not once per op (``BackwardPeak``), and
+    entered inside an ``ActivationCounter`` it rides on that counter's mode (``Rider``).
     """
 
     def __init__(self, held: Iterable[int], segments_hit: Callable[[], Iterable[str]]) -> None:
@@ -357,11 +429,26 @@ class RecomputeCarry(_ModeScope):
         self.carried_from: tuple[str, ...] = ()  # ... which segments they were re-run for
         self.carried_at: tuple[str, ...] = ()  # ... the segment whose re-run had just ended
         self.own_bytes = 0  # ... and that segment's own re-run bytes alive then
+        self._host: _StorageRecorder | None = None  # the counter's mode it rides on
         weakref.finalize(self, _release, self._recomputed)
+
+    def __enter__(self) -> Self:
+        host = host_mode()
+        if host is None:
+            return super().__enter__()
+        self.peak_bytes = _alive_bytes(self._held, set())
+        self._host = host
+        host.ride(self)
+        return self
 
     def _new_mode(self) -> TorchDispatchMode:
         self.peak_bytes = _alive_bytes(self._held, set())
         return _BackwardRecorder(self._recomputed, self._after_op)
+
+    def after(self, func: Any, out: Any, grad: bool) -> None:
+        if grad:
+            _record(func, out, self._recomputed)
+        self._after_op(grad)
 
     def _after_op(self, grad: bool) -> None:
         if grad:
@@ -377,6 +464,9 @@ class RecomputeCarry(_ModeScope):
     ) -> None:
         if self._running:
             self._end_rerun()
+        host, self._host = self._host, None
+        if host is not None:
+            host.alight(self)
         super().__exit__(exc_type, exc, tb)
 
     def _end_rerun(self) -> None:
