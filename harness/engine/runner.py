@@ -205,6 +205,9 @@ def run_path(
                 carry: RecomputeCarry | None = None
                 held_saved: bool | None = None  # a selected segment saved in that forward
                 held_keys: frozenset[int] = frozenset()  # the storages step_held counts
+                # Full storage's first step of several: nothing reads what its backward
+                # makes (a leak is counted from step 2 on), so its backward runs unwatched.
+                unwatched = impl is None and step == 1 < case.steps
                 with made if made is not None else contextlib.nullcontext():
                     for k, batch in enumerate(batches):
                         part = f" (micro-batch {k + 1} of {len(batches)})" if k else ""
@@ -239,13 +242,14 @@ def run_path(
                                 _rerun_segments, uses, _segment_of(names, segments)))
                         with phase.backward(), \
                                 carry if carry is not None and k == 0 \
+                                else made.paused() if unwatched and made is not None \
                                 else contextlib.nullcontext():
                             touched |= _ask_gradients(case.grad_mode, loss, params, inputs,
                                                       watch=uses,
                                                       input_names=_input_names(model, inputs))
                         kept += [loss.detach(), main_output(outputs).detach()]
                         del outputs, loss
-                left = None if made is None else made.held_bytes(
+                left = None if made is None or unwatched else made.held_bytes(
                     ignore=[*kept, *grads_in.grads.values(),
                             *(p.grad for _, p in params if p.grad is not None),
                             *(t.grad for t in inputs if t is not None and t.grad is not None)])
