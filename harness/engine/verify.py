@@ -409,7 +409,8 @@ def _check_all(
         [(a, b) for _, _, a, b, _ in comparable] + [(c, b) for _, _, _, b, c in comparable]
     )
     n = len(comparable)
-    scales = _scales([(a, b) for _, _, a, b, _ in comparable])
+    scales = _scales([(a, b) for _, _, a, b, _ in comparable],
+                     [m.mismatched == 0 for m in metrics[:n]])
     for (prop, name, a, b, _), m, f, scale in zip(comparable, metrics[:n], metrics[n:],
                                                    scales):
         bound = tolerance.bound(f.rel_error, b.dtype)
@@ -452,17 +453,23 @@ def _check_all(
     return [results[name] for name in PROPERTIES]
 
 
-def _scales(pairs: list[tuple[Any, Any]]) -> list[float]:
+def _scales(pairs: list[tuple[Any, Any]], equal: list[bool]) -> list[float]:
     """Each pair's scale (``TensorCheck.scale``): the greater of the two norms, for float
-    tensors (one pass over them all); 0.0 for the others."""
+    tensors (one pass over them all, summed in float64 without a float64 copy); 0.0 for
+    the others. Where a pair is ``equal`` (no element differs) one norm is both."""
     floats = [i for i, (a, b) in enumerate(pairs) if isinstance(b, Tensor)
               and b.is_floating_point() and isinstance(a, Tensor) and a.numel()]
     scales = [0.0] * len(pairs)
     if floats:
-        norms_a = torch._foreach_norm([pairs[i][0].detach().double() for i in floats])
-        norms_b = torch._foreach_norm([pairs[i][1].detach().double() for i in floats])
-        for i, x, y in zip(floats, norms_a, norms_b):
-            scales[i] = max(float(x), float(y))
+        unequal = [i for i in floats if not equal[i]]
+        norms_b = torch._foreach_norm([pairs[i][1].detach() for i in floats], 2,
+                                      dtype=torch.float64)
+        norms_a = dict(zip(unequal, torch._foreach_norm(
+            [pairs[i][0].detach() for i in unequal], 2, dtype=torch.float64))) \
+            if unequal else {}
+        for i, y in zip(floats, norms_b):
+            x = norms_a.get(i)
+            scales[i] = float(y) if x is None else max(float(x), float(y))
     return scales
 
 
