@@ -245,7 +245,7 @@ def load_user_model(config: ExternalConfig, seed: int) -> UserModel:
     if not isinstance(built.inputs, (tuple, dict)):
         built.inputs = tuple(built.inputs)
     if built.regimes is not None:
-        from gradequiv.harness.engine.case import DTYPES
+        from gradequiv.models.kinds import DTYPES
 
         unknown = [r for r in built.regimes if r not in DTYPES]
         if unknown or isinstance(built.regimes, str):

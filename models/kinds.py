@@ -7,7 +7,7 @@ among the reference models by the same names.
 
 from __future__ import annotations
 
-__all__ = ["BATCHNORM", "CASE_FEATURES", "DRAWN_MODELS", "EXTERNAL", "GRAD_MODES",
+__all__ = ["BATCHNORM", "CASE_FEATURES", "DRAWN_MODELS", "DTYPES", "EXTERNAL", "GRAD_MODES",
            "INPLACE_OPS", "MODEL_KINDS", "OPT_IN_GRAD_MODES", "TRANSFORMER"]
 
 TRANSFORMER = "transformer"  # the reference transformer (models/transformer.py)
@@ -25,6 +25,9 @@ DRAWN_MODELS = (TRANSFORMER, BATCHNORM)
 #: accumulated before the optimizer step; a gradient penalty, whose gradients are taken with
 #: ``create_graph=True`` and backpropagated again (double backward).
 GRAD_MODES = ("backward", "autograd-grad", "accumulate", "create-graph")
+#: Precision regimes. Autocast ones keep fp32 weights and fp32 gradients; ``bf16-model``
+#: casts the model itself (weights, gradients and float inputs in bfloat16, no autocast).
+DTYPES = ("fp32", "bf16-autocast", "fp16-autocast", "bf16-model")
 #: The grad modes an implementation gets only where it claims them (``gradequiv_supports``
 #: on its target); every other mode it gets unless it refuses it (``gradequiv_unsupported``).
 #: Double backward is opt-in: reentrant checkpoints cannot run it by design, and selective

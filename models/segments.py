@@ -16,6 +16,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import torch
 from torch import nn
 
 from gradequiv.models.granularity import Granularity, layer_runs
@@ -48,13 +49,50 @@ def layer_segments(granularity: Granularity, layers: Sequence[tuple[str, nn.Modu
             for run in layer_runs(granularity, len(layers))]
 
 
+class WrongReturn(TypeError):
+    """The implementation returned what no segment returns: named by what it returned,
+    before the model raises on it."""
+
+
+def return_signature(value: Any) -> Any:
+    """What a segment call returned, without its values: structure, shapes and dtypes."""
+    if isinstance(value, torch.Tensor):
+        return ("tensor", tuple(value.shape), value.dtype)
+    if isinstance(value, (tuple, list)):
+        return (type(value).__name__, tuple(return_signature(v) for v in value))
+    if isinstance(value, dict):
+        return ("dict", tuple((k, return_signature(v)) for k, v in value.items()))
+    return (type(value).__name__,)
+
+
+def describe_signature(signature: Any) -> str:
+    """``bfloat16[2, 8, 16]``, ``tuple(float32[2, 8], NoneType)``, ``dict(x: float32[4])``."""
+    kind = signature[0]
+    if kind == "tensor":
+        return f"{str(signature[2]).removeprefix('torch.')}{list(signature[1])}"
+    if kind == "dict":
+        return f"dict({', '.join(f'{k}: {describe_signature(v)}' for k, v in signature[1])})"
+    if len(signature) == 2:
+        return f"{kind}({', '.join(describe_signature(v) for v in signature[1])})"
+    return str(kind)
+
+
 class Router:
-    """Calls each segment plainly, or through the call installed for it."""
+    """Calls each segment plainly, or through the call installed for it.
+
+    Every selected segment's calls' :func:`return_signature` is kept in order
+    (``returns``: the forward's calls, as a re-run calls the segment itself); given
+    full storage's (``expected``), a routed call that returns another structure, shape
+    or dtype than full storage's same call is a :class:`WrongReturn`, raised where the
+    implementation returned it rather than wherever the model trips over it.
+    """
 
     def __init__(self) -> None:
         self._calls: dict[int, SegmentCall] = {}
         self.on_call: Callable[[str, tuple[Any, ...], dict[str, Any]], None] | None = None
         self._names: dict[int, str] = {}
+        self.returns: list[Any] = []
+        self.expected: list[Any] | None = None
 
     def install(self, segments: list[Segment], call: SegmentCall | None) -> None:
         """Route ``segments`` through ``call`` (``None``: call them plainly)."""
@@ -90,9 +128,21 @@ class Router:
         plainly, or as what the installed call is given."""
         self.notify(segment, args, kwargs)
         call = self._calls.get(id(segment))
-        if call is None:
-            return function(*args, **kwargs)
-        return call(function, *args, **kwargs)
+        returned = function(*args, **kwargs) if call is None else call(function, *args,
+                                                                         **kwargs)
+        if id(segment) not in self._names:  # a call inside a segment (its re-run's too)
+            return returned
+        signature = return_signature(returned)
+        index = len(self.returns)
+        self.returns.append(signature)
+        if call is not None and self.expected is not None and index < len(self.expected) \
+                and signature != self.expected[index]:
+            name = self._names.get(id(segment), type(segment).__name__)
+            raise WrongReturn(
+                f"the implementation returned {describe_signature(signature)} for {name} "
+                f"where the segment returns {describe_signature(self.expected[index])} "
+                f"(full storage's same call); return what function(*args, **kwargs) returns")
+        return returned
 
 
 def attach_router(model: nn.Module) -> Router:

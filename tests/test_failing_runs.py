@@ -183,7 +183,7 @@ def test_every_distinct_fault_is_in_the_headline_of_the_terminal_and_report_md()
     """Two faults, each in cases of its own (a drawn minimal failure, a named case) and a
     third said as a further fault of one case: all three, in that order, each with where it
     was seen and its command; a cause seen again is not listed twice."""
-    from gradequiv.harness.reports.findings import distinct_faults
+    from gradequiv.harness.reports.diagnosis import distinct_faults
     from gradequiv.harness.reports.markdown import _diagnosis
     from gradequiv.harness.reports.terminal import headline_lines
 

@@ -152,6 +152,12 @@ def test_a_suite_that_verifies_nothing_fails_without_hypothesis_s_advice(
     ("wrong_impls:returns_none", None,
      "WrongReturn: the implementation returned NoneType None where the segment returns "
      "tensors"),
+    ("wrong_impls:returns_flattened", None,
+     "WrongReturn: the implementation returned float32[16, 16] for blocks.0 where the "
+     "segment returns float32[2, 8, 16] (full storage's same call)"),
+    ("wrong_impls:returns_float64", None,
+     "WrongReturn: the implementation returned float64[2, 8, 16] for blocks.0 where the "
+     "segment returns float32[2, 8, 16]"),
     ("wrong_impls:wrapper_returns_a_str", "wrapper",
      "WrongReturn: the implementation (--adapter wrapper) returned str 'checkpointed' for "
      "blocks.0, not a module"),

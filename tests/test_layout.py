@@ -45,7 +45,10 @@ PUBLIC_API_LAYER = LAYERS.index(("gradequiv.properties",))
 
 #: Known violations, (importer, imported) -> why it is allowed for now. Each must still
 #: occur (a fixed one is taken off), so the list cannot go stale.
-KNOWN_VIOLATIONS: dict[tuple[str, str], str] = {}
+KNOWN_VIOLATIONS: dict[tuple[str, str], str] = {
+    ("gradequiv.harness", "gradequiv.harness.api"):
+        "the public API names check() lazily: loaded on first use, never by properties/",
+}
 
 #: Imported by every pytest run (the plugin) or before a command is chosen: no torch.
 LIGHT_MODULES = ("gradequiv.harness.errors", "gradequiv.harness.validate",

@@ -412,6 +412,22 @@ def returns_none(fn: Any, *args: Any, **kwargs: Any) -> Any:
     _checkpoint(fn, *args, **kwargs)
 
 
+def returns_flattened(fn: Any, *args: Any, **kwargs: Any) -> Any:
+    """The wrong shape: the batch and sequence dimensions folded into one."""
+    out = _checkpoint(fn, *args, **kwargs)
+    if isinstance(out, tuple):
+        return (out[0].flatten(0, 1), *out[1:])
+    return out.flatten(0, 1)
+
+
+def returns_float64(fn: Any, *args: Any, **kwargs: Any) -> Any:
+    """The wrong dtype: the output in float64, which the model would silently promote."""
+    out = _checkpoint(fn, *args, **kwargs)
+    if isinstance(out, tuple):
+        return (out[0].double(), *out[1:])
+    return out.double()
+
+
 def wrapper_returns_a_str(module: nn.Module) -> nn.Module:
     """A wrapper that returns a name instead of the wrapped module."""
     return "checkpointed"  # type: ignore[return-value]

@@ -26,6 +26,7 @@ from gradequiv.models import (
 )
 from gradequiv.models.kinds import (
     BATCHNORM,
+    DTYPES,
     EXTERNAL,
     GRAD_MODES,
     INPLACE_OPS,
@@ -33,9 +34,6 @@ from gradequiv.models.kinds import (
     TRANSFORMER,
 )
 
-#: Precision regimes. Autocast ones keep fp32 weights and fp32 gradients; ``bf16-model``
-#: casts the model itself (weights, gradients and float inputs in bfloat16, no autocast).
-DTYPES = ("fp32", "bf16-autocast", "fp16-autocast", "bf16-model")
 #: The dtype of the weights in each regime that casts the model.
 MODEL_DTYPES = {"bf16-model": torch.bfloat16}
 

@@ -47,7 +47,7 @@ from gradequiv.harness.engine.saves import SavedCalls
 from gradequiv.harness.implementations.adapters import Implementation
 from gradequiv.harness.implementations.compiled import CompileSettings, compile_model
 from gradequiv.models import Segment
-from gradequiv.models.segments import RoutedModel, UserNames
+from gradequiv.models.segments import RoutedModel, Router, UserNames
 
 LEARNING_RATE = 1e-2
 MOMENTUM = 0.9
@@ -102,6 +102,9 @@ class PathRun:
     starts: list[StepStart] = field(default_factory=list)  # state at the start of steps 2, 3, ...
     probes: dict[str, Tensor] = field(default_factory=dict)  # eval and no_grad forward outputs
     global_state: GlobalState | None = None  # torch's global switches as the path left them
+    # each segment call's return signature, in order (full storage's: what a recompute
+    # path's calls must return; models.segments.Router)
+    returns: list[Any] = field(default_factory=list)
 
 
 @dataclass
@@ -152,6 +155,7 @@ def run_path(
     run = PathRun()
     path = build_path(case, device)
     model, segments, inputs = path.model, path.segments, path.inputs
+    router: Router | None = getattr(model, "router", None)
     where = "setup"
     # Names before the installation: a toggle or wrapper may wrap, rename or replace modules
     names = UserNames(model)
@@ -160,6 +164,8 @@ def run_path(
         warnings.simplefilter("always")
         try:
             path.install(impl)  # inside: what an implementation raises is a verdict
+            if router is not None and start_from is not None and compiled is None:
+                router.expected = start_from.returns  # a wrong return is named as returned
             phase = _Phase()
             counted = {} if compiled else _counted_modules(names, segments)
             calls = _count_calls(counted, phase)
@@ -288,6 +294,7 @@ def run_path(
             torch.cuda.synchronize(device)
     run.seconds = time.perf_counter() - started
     run.global_state = snapshot()  # outside the forward's autocast, after the last step
+    run.returns = router.returns if router is not None else []
     run.warnings = sorted({f"{w.category.__name__}: {w.message}" for w in caught})
     return run
 

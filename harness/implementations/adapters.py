@@ -27,7 +27,7 @@ from gradequiv.harness.implementations.torch_builtins import OFFLOAD, SELECTIVE
 from gradequiv.harness.options import ADAPTERS
 from gradequiv.models import Segment
 from gradequiv.models.kinds import CASE_FEATURES, GRAD_MODES, OPT_IN_GRAD_MODES
-from gradequiv.models.segments import Router, user_view
+from gradequiv.models.segments import Router, WrongReturn, user_view
 
 if TYPE_CHECKING:
     from gradequiv.harness.implementations.compiled import CompileSpec
@@ -150,11 +150,6 @@ class Implementation:
         for key, value in self.kwargs.items():
             args += ["--impl-kwarg", f"{key}={_format_value(value)}"]
         return args
-
-
-class WrongReturn(TypeError):
-    """The implementation returned what no segment returns: named by what it returned,
-    before the model raises on it."""
 
 
 def _brief(value: Any) -> str:

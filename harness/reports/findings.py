@@ -290,34 +290,6 @@ def failure_groups(report: dict[str, Any]) -> list[FailureGroup]:
     return list(groups.values())
 
 
-def distinct_faults(failures: list[dict[str, Any]]) -> list[dict[str, str]]:
-    """Every distinct fault among ``failures`` (minimal failures, named cases' among them),
-    most important first: the drawn minimal failures' causes in their order (each case's
-    headline cause, then its further faults), then causes that only named cases showed.
-    Each with the case that shows it first and the short command that replays it."""
-    drawn = [f for f in failures if not str(f.get("test", "")).startswith("test_named_case")]
-    named = [f for f in failures if str(f.get("test", "")).startswith("test_named_case")]
-    found: dict[str, dict[str, str]] = {}
-    numbers: dict[str, int] = {}
-    for failure in [*drawn, *named]:
-        diagnosis = failure.get("diagnosis") or {}
-        test = str(failure.get("test", ""))
-        if test.startswith("test_named_case"):
-            where = f"named case {test.removeprefix('test_named_case[').removesuffix(']')}"
-        else:
-            number = numbers.setdefault(str(failure["reproduce"]), len(numbers) + 1)
-            where = f"minimal failure {number}"
-        parts = diagnosis.get("faults") or (
-            [{"cause": diagnosis["cause"], "sentence": diagnosis["sentence"]}]
-            if diagnosis.get("cause") else [])
-        for part in parts:
-            found.setdefault(part["cause"], {
-                "cause": part["cause"], "sentence": part["sentence"],
-                "case": str(failure.get("description") or "case"), "found_in": where,
-                "reproduce": str(failure.get("reproduce_file") or failure["reproduce"])})
-    return list(found.values())
-
-
 def headline_command(report: dict[str, Any]) -> str | None:
     """The short command that reproduces the headline failure (its case file where a
     minimal failure of the same case has one)."""

@@ -16,8 +16,7 @@ from importlib.metadata import PackageNotFoundError, version
 from typing import TYPE_CHECKING, Any
 
 from gradequiv.harness.options import CheckOptions
-from gradequiv.harness.reports.diagnosis import diagnose
-from gradequiv.harness.reports.findings import distinct_faults
+from gradequiv.harness.reports.diagnosis import diagnose, distinct_faults
 
 if TYPE_CHECKING:  # torch is imported on use: a supervisor writes reports without it
     import torch

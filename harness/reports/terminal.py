@@ -11,7 +11,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from gradequiv.harness.reports.findings import distinct_faults, failure_groups
+from gradequiv.harness.reports.diagnosis import distinct_faults
+from gradequiv.harness.reports.findings import failure_groups
 
 __all__ = ["headline_lines", "output_lines", "summary_lines"]
 
