@@ -49,7 +49,7 @@ __all__ = ["ActivationCounter", "AllocatorWatch", "BackwardPeak", "RecomputeCarr
 # Per op overload, which of its returns can be a new storage: True (all),
 # False (none: views, in-place and out= ops return an input's storage), or the
 # indices of the returns that declare no alias.
-_FRESH_RETURNS: dict[Any, bool | tuple[int, ...]] = {}
+_FRESH_RETURNS: dict[int, tuple[Any, bool | tuple[int, ...]]] = {}
 
 # Typed as they behave: torch's stubs leave _free_weak_ref untyped and miss that
 # _new_with_weak_ptr gives None for a freed storage (and _weak_ref below, typed as
@@ -103,9 +103,12 @@ def _release(*key_sets: set[int]) -> None:
 def _record(func: Any, out: Any, into: set[int]) -> None:
     """Add a weak reference to each new storage among ``func``'s returns ``out`` to
     ``into``; the per-op hot path."""
-    fresh = _FRESH_RETURNS.get(func)
-    if fresh is None:
-        fresh = _FRESH_RETURNS[func] = _fresh_returns(func)
+    # By id: an op overload's hash is a Python call, once per op; the entry keeps the op
+    # alive, so its id is never another's.
+    known = _FRESH_RETURNS.get(id(func))
+    if known is None:
+        known = _FRESH_RETURNS[id(func)] = (func, _fresh_returns(func))
+    fresh = known[1]
     if fresh is True:
         if isinstance(out, Tensor):
             try:
