@@ -231,7 +231,7 @@ def test_a_gradient_penalty_needs_the_manual_attention_path() -> None:
     assert all(c.grad_mode != "create-graph"
                for c in _drawn(cases(modes=("backward", "autograd-grad")), 40))
     assert all(c.grad_mode != "create-graph"
-               for c in _drawn(external_cases("tests.user_models:mlp_factory"), 40))
+               for c in _drawn(external_cases("tests.user_models:residual_stack"), 40))
 
 
 # -- 2. buffers a layer updates in training forwards, counters compared exactly -----------

@@ -628,7 +628,7 @@ def distinct_faults(failures: list[dict[str, Any]]) -> list[dict[str, str]]:
     """Every distinct fault among ``failures`` (minimal failures, named cases' among them),
     most important first: the drawn minimal failures' causes in their order (each case's
     headline cause, then its further faults), then causes that only named cases showed.
-    Each with the case that shows it first and the short command that replays it."""
+    Each with the case that shows it first and the commands that replay it."""
     drawn = [f for f in failures if not str(f.get("test", "")).startswith("test_named_case")]
     named = [f for f in failures if str(f.get("test", "")).startswith("test_named_case")]
     found: dict[str, dict[str, str]] = {}
@@ -645,8 +645,10 @@ def distinct_faults(failures: list[dict[str, Any]]) -> list[dict[str, str]]:
             [{"cause": diagnosis["cause"], "sentence": diagnosis["sentence"]}]
             if diagnosis.get("cause") else [])
         for part in parts:
-            found.setdefault(part["cause"], {
-                "cause": part["cause"], "sentence": part["sentence"],
-                "case": str(failure.get("description") or "case"), "found_in": where,
-                "reproduce": str(failure.get("reproduce_file") or failure["reproduce"])})
+            fault = {"cause": part["cause"], "sentence": part["sentence"],
+                     "case": str(failure.get("description") or "case"), "found_in": where,
+                     "reproduce": str(failure["reproduce"])}
+            if failure.get("reproduce_file"):  # the short command, its case in a file
+                fault["reproduce_file"] = str(failure["reproduce_file"])
+            found.setdefault(part["cause"], fault)
     return list(found.values())

@@ -150,7 +150,8 @@ def _diagnosis(report: dict[str, Any]) -> list[str]:
         items = "".join(
             f"<li><p class='sentence'>{escape(f['sentence'])}</p><p class='small'>seen in "
             f"{escape(f['found_in'])}: {escape(f['case'])}</p>"
-            f"<pre class='command'>{escape(f['reproduce'])}</pre></li>" for f in faults)
+            f"<pre class='command'>{escape(f.get('reproduce_file') or f['reproduce'])}</pre>"
+            f"</li>" for f in faults)
         return ["<section class='diagnosis'>", f"<p>{len(faults)} distinct faults:</p>",
                 f"<ol>{items}</ol>", "</section>"]
     parts = ["<section class='diagnosis'>",

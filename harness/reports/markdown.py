@@ -85,7 +85,7 @@ def _diagnosis(report: dict[str, Any]) -> list[str]:
         lines = [f"### {len(faults)} distinct faults", ""]
         for number, fault in enumerate(faults, start=1):
             lines += [f"{number}. **{fault['sentence']}** (seen in {fault['found_in']}: "
-                      f"{fault['case']}): `{fault['reproduce']}`"]
+                      f"{fault['case']}): `{fault.get('reproduce_file') or fault['reproduce']}`"]
         return [*lines, ""]
     lines = [f"### {diagnosis['sentence']}", ""]
     evidence = [f"- {e}" for e in diagnosis.get("evidence") or []]

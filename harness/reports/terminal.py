@@ -33,7 +33,7 @@ def headline_lines(failures: list[dict[str, Any]]) -> list[str]:
     for number, fault in enumerate(faults, start=1):
         lines.append(f"  {number}. {fault['sentence']}")
         lines.append(f"     seen in {fault['found_in']}: {fault['case']}; "
-                     f"reproduce: {fault['reproduce']}")
+                     f"reproduce: {fault.get('reproduce_file') or fault['reproduce']}")
     return lines
 
 
