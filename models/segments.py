@@ -208,7 +208,7 @@ class UserNames:
         view = user_view(model)
         self._params = {id(p): n for n, p in view.named_parameters()}
         self._buffers = {id(b): n for n, b in view.named_buffers()}
-        self._modules = {id(m): n for n, m in view.named_modules()}
+        self._modules: dict[int, str] = {id(m): n for n, m in view.named_modules()}
         # the objects themselves, so that no id above is reused while this lives
         self._keep = [*view.parameters(), *view.buffers(), *view.modules()]
 
@@ -228,4 +228,4 @@ class UserNames:
         if name is not None:
             return name
         now = {id(m): n for n, m in user_view(self._model).named_modules()}
-        return unwrapped_name(now[id(module)]) if id(module) in now else default
+        return str(unwrapped_name(now[id(module)])) if id(module) in now else default

@@ -48,10 +48,6 @@ class RunObserver(Protocol):
 
     def case_finished(self, record: dict[str, Any]) -> None: ...
 
-    def stop_shrinking(self, test: str) -> None:
-        """``test`` tries no new case while shrinking from now on."""
-        self._shrinks[test] = [SHRINK_TRIES, time.monotonic()]
-
     def phase(self, what: str) -> None: ...
 
 

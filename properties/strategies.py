@@ -14,7 +14,7 @@ from typing import Any
 
 from hypothesis import strategies as st
 
-from gradequiv.harness.engine.case import DTYPES, Case
+from gradequiv.harness.engine.case import Case
 from gradequiv.harness.engine.spread import compile_cases
 from gradequiv.harness.errors import InvalidArgument
 from gradequiv.models import (
@@ -29,7 +29,7 @@ from gradequiv.models import (
     TransformerConfig,
     parse_granularity,
 )
-from gradequiv.models.kinds import BATCHNORM, GRAD_MODES, TRANSFORMER
+from gradequiv.models.kinds import BATCHNORM, DTYPES, GRAD_MODES, TRANSFORMER
 
 __all__ = [
     "DROPOUT_SITES",

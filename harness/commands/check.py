@@ -271,7 +271,7 @@ def full_storage_problem(spec: str) -> str | None:
                     f"nothing could be compared (NaN equals nothing); fix the model or its "
                     f"inputs so that one training step gives a finite loss")
         try:
-            loss.backward()
+            loss.backward()  # type: ignore[no-untyped-call]  # untyped in torch
         except Exception as exc:
             return (f"{name}: backward from its loss raised, without recompute: "
                     f"{type(exc).__name__}: {exc}; fix the model")

@@ -526,7 +526,8 @@ def run(args: Any) -> int:
         check_model(options.model)  # a factory that cannot build, or not reproducibly: exit 2
         config = ExternalConfig(options.model)
         segments = seeded_user_model(config, 0).segments
-        granularities = [parse_selection(text, segments) for text in options.granularity]
+        names = [s for s in segments if isinstance(s, str)]  # classes name no one segment
+        granularities = [parse_selection(text, names) for text in options.granularity]
         case = Case(model=config, dtype=args.dtype, name="profile")
     else:
         granularities = [parse_selection(text) for text in options.granularity]

@@ -26,13 +26,13 @@ from gradequiv.models import (
 )
 from gradequiv.models.kinds import (
     BATCHNORM,
-    DTYPES,
     EXTERNAL,
     GRAD_MODES,
     INPLACE_OPS,
     MODEL_KINDS,
     TRANSFORMER,
 )
+from gradequiv.models.kinds import DTYPES as DTYPES  # the public API names it here
 
 #: The dtype of the weights in each regime that casts the model.
 MODEL_DTYPES = {"bf16-model": torch.bfloat16}
