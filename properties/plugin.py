@@ -227,7 +227,9 @@ def _activate(config: pytest.Config) -> None:
     worker = getattr(config, "workerinput", {}).get("workerid")
     if worker and options.impl and options.device != "cpu":
         _pin_worker_gpu(worker)
-    config.pluginmanager.register(_Fixtures(), "gradequiv-fixtures")
+    from gradequiv.properties import fixtures
+
+    config.pluginmanager.register(fixtures, "gradequiv-fixtures")
     config.pluginmanager.register(_Gatherer(config), "gradequiv-gatherer")
     capture = config.pluginmanager.getplugin("capturemanager")
     if runtime.RUN.pytest_args is None and capture is not None:  # pytest shows none of it
@@ -376,26 +378,6 @@ def pytest_report_header(config: pytest.Config) -> str | None:
     return (f"gradequiv: Using --gradequiv-seed={options.seed} (profile {options.profile}, "
             f"{options.max_examples} examples per property{shard}, "
             f"impl {options.impl or 'unset'})")
-
-
-class _Fixtures:
-    """The suite's fixture, registered only on a run that asked for gradequiv (a user's own
-    suite keeps the name ``recompute_impl`` for itself)."""
-
-    @pytest.fixture(scope="session")
-    def recompute_impl(self) -> Any:
-        """The implementation under test; override this fixture in a conftest to supply
-        your own."""
-        from gradequiv.harness import InvalidArgument
-
-        if not runtime.RUN.options.impl:
-            pytest.fail("no implementation to check: pass --gradequiv-impl SPEC (or set "
-                        "GRADEQUIV_IMPL), or override the recompute_impl fixture",
-                        pytrace=False)
-        try:
-            return runtime.RUN.implementation()
-        except InvalidArgument as exc:
-            pytest.fail(str(exc), pytrace=False)
 
 
 def pytest_runtest_setup(item: pytest.Item) -> None:
