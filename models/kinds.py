@@ -7,8 +7,9 @@ among the reference models by the same names.
 
 from __future__ import annotations
 
-__all__ = ["BATCHNORM", "CASE_FEATURES", "DRAWN_MODELS", "DTYPES", "EXTERNAL", "GRAD_MODES",
-           "INPLACE_OPS", "MODEL_KINDS", "OPT_IN_GRAD_MODES", "TRANSFORMER"]
+__all__ = ["BACKWARD_AUTOCAST", "BATCHNORM", "CASE_FEATURES", "DRAWN_MODELS", "DTYPES",
+           "EXTERNAL", "GRAD_MODES", "INPLACE_OPS", "MODEL_KINDS", "OPT_IN_GRAD_MODES",
+           "RETAIN_GRAPH", "SCHEDULES", "SCHEDULE_MICRO_BATCHES", "TRAINABLE", "TRANSFORMER"]
 
 TRANSFORMER = "transformer"  # the reference transformer (models/transformer.py)
 BATCHNORM = "batchnorm"  # the BatchNorm MLP of the buffers property (models/batchnorm.py)
@@ -39,4 +40,29 @@ OPT_IN_GRAD_MODES = ("create-graph",)
 #: mutated" only where one moves the version counter of an output its policy saved, and is
 #: silently wrong elsewhere, so it declares nothing.)
 INPLACE_OPS = "inplace-ops"
-CASE_FEATURES = (INPLACE_OPS,)
+
+#: How a step drives its micro-batches, cheapest first: ``one`` (each micro-batch's forward,
+#: then its backward: one batch, or two under ``accumulate``); ``gpipe`` (every forward, then
+#: every backward in the forwards' order); ``gpipe-reverse`` (the backwards in reverse);
+#: ``1f1b`` (a pipeline stage's one-forward-one-backward: four forwards in flight, then a new
+#: forward after each backward); ``summed`` (every forward, one backward of the summed loss,
+#: as data-parallel code often does).
+SCHEDULES = ("one", "gpipe", "gpipe-reverse", "1f1b", "summed")
+#: Micro-batches per optimizer step under each schedule but ``one``.
+SCHEDULE_MICRO_BATCHES = {"gpipe": 4, "gpipe-reverse": 4, "1f1b": 6, "summed": 4}
+#: Several backward passes over one forward (``backward_passes`` > 1): the loss split in parts
+#: backpropagated in turn, ``retain_graph=True`` on all but the last.
+RETAIN_GRAPH = "retain-graph"
+#: The backward run inside an autocast block (``backward_autocast``): the forward's autocast
+#: where it has one, bf16 autocast around an fp32 forward otherwise.
+BACKWARD_AUTOCAST = "backward-autocast"
+#: Which parameters train (partial fine-tuning), cheapest first: ``all``; ``frozen-layer``
+#: (the first segment's parameters ``requires_grad=False``: a segment with nothing to train
+#: before trainable ones); ``adapters`` (only the reference transformer's LoRA pairs and
+#: steering vectors train, its embeddings' output made to require grad as transformers'
+#: ``enable_input_require_grads`` does); ``changing`` (the first segment frozen on odd
+#: steps, trained on even ones: which parameters train is a fact of each call).
+TRAINABLE = ("all", "frozen-layer", "adapters", "changing")
+#: What else a case may have that an implementation may refuse by design, loudly, and
+#: declare in ``gradequiv_unsupported``.
+CASE_FEATURES = (INPLACE_OPS, *SCHEDULES[1:], RETAIN_GRAPH, BACKWARD_AUTOCAST, *TRAINABLE[1:])

@@ -537,9 +537,10 @@ def _lora(linear: nn.Linear, rank: int) -> None:
 
 
 def _lora_delta(linear: nn.Module, args: tuple[Any, ...], out: Tensor) -> Tensor:
-    delta = F.linear(F.linear(args[0], linear.get_parameter("lora_a")),
-                     linear.get_parameter("lora_b"))
-    return out + delta
+    # read as attributes, as real adapters do: get_parameter reads through named_modules,
+    # which torch.func.functional_call's stand-in tensors are not found in
+    lora_a, lora_b = cast("Tensor", linear.lora_a), cast("Tensor", linear.lora_b)
+    return out + F.linear(F.linear(args[0], lora_a), lora_b)
 
 
 def _rescale_input(_module: nn.Module, args: tuple[Any, ...]) -> tuple[Any, ...]:
@@ -548,7 +549,7 @@ def _rescale_input(_module: nn.Module, args: tuple[Any, ...]) -> tuple[Any, ...]
 
 def _steer(block: nn.Module, _args: tuple[Any, ...], out: Any) -> Any:
     """Add the layer's steering vector to its hidden state (beside an aux loss, if any)."""
-    steering = block.get_parameter("steering")
+    steering = cast("Tensor", block.steering)
     if isinstance(out, tuple):
         return (out[0] + steering, *out[1:])
     return out + steering

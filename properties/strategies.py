@@ -29,7 +29,15 @@ from gradequiv.models import (
     TransformerConfig,
     parse_granularity,
 )
-from gradequiv.models.kinds import BATCHNORM, DTYPES, GRAD_MODES, TRANSFORMER
+from gradequiv.models.kinds import (
+    BATCHNORM,
+    DTYPES,
+    GRAD_MODES,
+    SCHEDULE_MICRO_BATCHES,
+    SCHEDULES,
+    TRAINABLE,
+    TRANSFORMER,
+)
 
 __all__ = [
     "DROPOUT_SITES",
@@ -43,6 +51,7 @@ __all__ = [
     "external_cases",
     "grad_modes",
     "granularities",
+    "training_loops",
     "seeds",
     "transformer_configs",
 ]
@@ -168,6 +177,38 @@ def grad_modes(modes: tuple[str, ...] = GRAD_MODES) -> st.SearchStrategy[str]:
     return st.sampled_from([m for m in GRAD_MODES if m in modes])
 
 
+#: The share of drawn cases off each training-loop dimension's plain value: one in four has
+#: a schedule, one in four a loss in parts, and so on, so that a failure shrinks them off.
+_OFF = 3
+
+
+@st.composite
+def training_loops(draw: st.DrawFn, *, mode: str = "backward", dtype: str = "fp32",
+                   trainable: tuple[str, ...] = TRAINABLE,
+                   schedules: tuple[str, ...] = SCHEDULES) -> dict[str, Any]:
+    """Return a strategy for how a training loop drives the segments, as ``Case`` fields:
+    a micro-batch schedule (GPipe, reversed, 1F1B with four in flight, one backward of the
+    summed losses; only where ``mode`` asks for one backward per forward), the loss in
+    2 or 3 parts backpropagated in turn (not under a gradient penalty), the backward inside
+    autocast, and which parameters train (among ``trainable``). Each is off in three draws
+    of four and shrinks towards off."""
+    # Every choice is drawn whatever the others are, and one that cannot be is taken as off:
+    # the draws keep their places while shrinking changes what came before them.
+    plain = mode in ("backward", "autograd-grad")
+    schedule = draw(st.sampled_from(("one",) * _OFF + SCHEDULES[1:]))
+    passes = draw(st.sampled_from((1,) * _OFF + (2, 3)))
+    chosen = draw(st.sampled_from(("all",) * _OFF + TRAINABLE[1:]))
+    loop: dict[str, Any] = {
+        "schedule": schedule if plain and schedule in schedules else "one",
+        "backward_passes": passes if mode != "create-graph" else 1,
+        "backward_autocast": draw(st.sampled_from((False,) * _OFF + (True,))),
+        "trainable": chosen if chosen in trainable else "all",
+    }
+    if not dtype.endswith("-autocast") and dtype != "fp32":
+        loop["backward_autocast"] = False  # a bf16 model under bf16 autocast: no new state
+    return loop
+
+
 def granularities(*, n_layers: int, include_none: bool = False) -> st.SearchStrategy[Granularity]:
     """Return a strategy for which segments recompute in a model of ``n_layers`` layers.
 
@@ -221,11 +262,16 @@ def batchnorm_cases(draw: st.DrawFn, *, device: str = "cpu",
         ["layer"] + [f"every:{k}" for k in range(2, n_layer + 1)]).map(parse_granularity))
     batch_size = draw(st.integers(2, 8))
     mode = draw(grad_modes(modes))
+    mode = mode if mode != "accumulate" or batch_size >= 4 else "backward"
+    dtype = draw(dtype_regimes(device=device))
+    seed = draw(seeds())
+    inference = draw(st.booleans())
+    # No schedule: BatchNorm needs 2 samples in each of its micro-batches
+    loop = draw(training_loops(mode=mode, dtype=dtype, trainable=("frozen-layer", "changing"),
+                               schedules=()))
     return Case(model=model, batch=BatchConfig(batch_size=batch_size, seq_len=1),
-                granularity=granularity, dtype=draw(dtype_regimes(device=device)),
-                seed=draw(seeds()),
-                grad_mode=mode if mode != "accumulate" or batch_size >= 4 else "backward",
-                inference=draw(st.booleans()))
+                granularity=granularity, dtype=dtype, seed=seed, grad_mode=mode,
+                inference=inference, **loop)
 
 
 def external_cases(factory: str, *, device: str = "cpu",
@@ -248,12 +294,20 @@ def external_cases(factory: str, *, device: str = "cpu",
     # Not a gradient penalty: a user's model need not be twice differentiable (fused
     # attention kernels have no double backward).
     modes = tuple(m for m in modes if m != "create-graph")
-    return st.builds(Case, model=st.just(model),
-                     granularity=st.sampled_from(["toggle"] if toggle_chooses
-                                                 else ["layer", "every:2"]
-                                                 ).map(parse_granularity),
-                     dtype=dtypes, seed=seeds(),
-                     grad_mode=grad_modes(modes), inference=st.booleans())
+    @st.composite
+    def one(draw: st.DrawFn) -> Case:
+        granularity = draw(st.sampled_from(["toggle"] if toggle_chooses
+                                           else ["layer", "every:2"]).map(parse_granularity))
+        dtype, seed, mode = draw(dtypes), draw(seeds()), draw(grad_modes(modes))
+        inference = draw(st.booleans())
+        # the schedules and the loss in parts; which parameters train is the factory's
+        loop = draw(training_loops(mode=mode, dtype=dtype, trainable=()))
+        if not dtype.endswith("-autocast"):  # the model's regimes say what it runs in
+            loop["backward_autocast"] = False
+        return Case(model=model, granularity=granularity, dtype=dtype, seed=seed,
+                    grad_mode=mode, inference=inference, **loop)
+
+    return one()
 
 
 def compiled_cases(*, device: str = "cpu") -> st.SearchStrategy[Case]:
@@ -333,6 +387,11 @@ def cases(
         # between the segments of one forward. Not inside a group, where the frozen layer
         # is no segment of its own and the group's grad mode does not change.
         model = replace(model, frozen_first_layer=draw(st.booleans()))
+    loop = draw(training_loops(mode=mode, dtype=dtype, trainable=(
+        "frozen-layer", "changing", *(("adapters",) if model.value_hooks else ()))))
+    if loop["schedule"] != "one":  # a row for each micro-batch, so that they all differ
+        batch = replace(batch, batch_size=max(batch.batch_size,
+                                              SCHEDULE_MICRO_BATCHES[loop["schedule"]]))
     return Case(
         model=model,
         batch=batch,
@@ -341,4 +400,5 @@ def cases(
         seed=seed,
         grad_mode=mode,
         inference=inference,
+        **loop,
     )

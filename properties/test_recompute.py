@@ -145,8 +145,12 @@ def _spread() -> list[Case]:
     from gradequiv.models import ExternalConfig
 
     model = ExternalConfig(OPTIONS.model)
-    return [Case(model=model, dtype=dtype, name=f"model-layer-{dtype}")
-            for dtype in ("fp32", "bf16-autocast")]
+    own = [Case(model=model, dtype=dtype, name=f"model-layer-{dtype}")
+           for dtype in ("fp32", "bf16-autocast")]
+    # the training loops real code runs, on the factory's own batch and loss
+    own += [Case(model=model, name="model-layer-gpipe", schedule="gpipe"),
+            Case(model=model, name="model-layer-two-losses", backward_passes=2)]
+    return [c for c in own if not runtime.RUN.declines(c)]
 
 
 def _named(name: str) -> Case:

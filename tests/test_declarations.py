@@ -23,7 +23,7 @@ from gradequiv.harness import (
 from gradequiv.harness.cli import main
 from gradequiv.harness.errors import InvalidArgument
 from gradequiv.harness.implementations.resolve import BUILTINS, builtin_target
-from gradequiv.models.kinds import GRAD_MODES
+from gradequiv.models.kinds import GRAD_MODES, SCHEDULES
 
 SUITE = ["--pyargs", "gradequiv.properties", "-p", "no:cacheprovider"]
 AUTOGRAD_CASE = "2L-layer-autograd-grad-dropout"
@@ -122,6 +122,18 @@ def _undeclared(impl: Implementation) -> Implementation:
                           default_adapter=impl.default_adapter)
 
 
+def _without(case: Case, name: str) -> Case:
+    """``case`` without grad mode or feature ``name``: every other knob kept."""
+    if name in GRAD_MODES:
+        return replace(case, grad_mode="backward")
+    if name == "inplace-ops":
+        return replace(case, model=replace(case.model, inplace_ops=False))
+    fields = {"retain-graph": {"backward_passes": 1},
+              "backward-autocast": {"backward_autocast": False}}
+    return replace(case, **fields.get(name, {"schedule": "one"} if name in SCHEDULES
+                                      else {"trainable": "all"}))
+
+
 def _not_refused_loudly(impl: Implementation, name: str) -> list[str]:
     """The named cases with ``name`` on which ``impl``, its declaration ignored, does not
     raise (nor get a refusal verify names as loud), or raises on the same case without
@@ -133,8 +145,7 @@ def _not_refused_loudly(impl: Implementation, name: str) -> list[str]:
         verdict = verify(undeclared, case)
         loud = verdict.error is not None or all(
             "a loud refusal" in p.summary for p in verdict.properties)
-        plain = replace(case, grad_mode="backward") if name in GRAD_MODES else \
-            replace(case, model=replace(case.model, inplace_ops=False))
+        plain = _without(case, name)
         if not loud or verify(undeclared, plain).error is not None:
             quiet.append(case.name)
     return quiet

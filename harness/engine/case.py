@@ -25,11 +25,16 @@ from gradequiv.models import (
     parse_granularity,
 )
 from gradequiv.models.kinds import (
+    BACKWARD_AUTOCAST,
     BATCHNORM,
     EXTERNAL,
     GRAD_MODES,
     INPLACE_OPS,
     MODEL_KINDS,
+    RETAIN_GRAPH,
+    SCHEDULE_MICRO_BATCHES,
+    SCHEDULES,
+    TRAINABLE,
     TRANSFORMER,
 )
 from gradequiv.models.kinds import DTYPES as DTYPES  # the public API names it here
@@ -49,6 +54,11 @@ _CONFIGS: dict[str, _ConfigType] = {
 #: Words for ``describe``: each grad mode but the plain one, each shape knob of the model.
 _GRAD_MODE_WORDS = {"autograd-grad": "torch.autograd.grad", "accumulate": "2 micro-batches",
                     "create-graph": "gradient penalty (create_graph)"}
+_SCHEDULE_WORDS = {"gpipe": "GPipe", "gpipe-reverse": "GPipe, backwards reversed",
+                   "1f1b": "1F1B (4 in flight)", "summed": "one backward of the summed loss"}
+_TRAINABLE_WORDS = {"frozen-layer": "first segment frozen (requires_grad=False)",
+                    "adapters": "adapters only train", "changing":
+                    "first segment frozen on odd steps only"}
 _SHAPE_KNOBS = {"aux_loss": "aux loss", "x0_keyword": "x0 by keyword",
                 "running_stats": "running stats", "fp32_last_layer": "last layer autocast off",
                 "frozen_first_layer": "first layer under no_grad",
@@ -67,6 +77,10 @@ class Case:
     name: str = ""
     grad_mode: str = "backward"  # how each step asks for gradients: GRAD_MODES
     inference: bool = False  # an eval and a no_grad forward before training (``inference``)
+    schedule: str = "one"  # how a step drives its micro-batches: SCHEDULES
+    backward_passes: int = 1  # the loss split in this many parts, backpropagated in turn
+    backward_autocast: bool = False  # the backward inside an autocast block
+    trainable: str = "all"  # which parameters train: TRAINABLE
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
@@ -86,6 +100,7 @@ class Case:
             )
         if not isinstance(self.inference, bool):
             raise InvalidArgument(f"inference={self.inference!r}: must be true or false")
+        self._check_training()
         if (self.grad_mode == "create-graph" and isinstance(self.model, TransformerConfig)
                 and self.model.attention == "sdpa"):
             raise InvalidArgument(
@@ -100,13 +115,60 @@ class Case:
                 f"needs 2 samples in each of the 2 micro-batches; use batch_size >= 4"
             )
 
+    def _check_training(self) -> None:
+        """The training-loop dimensions: each a known value, and none with what it cannot
+        go with."""
+        if self.schedule not in SCHEDULES:
+            raise InvalidArgument(
+                f"schedule={self.schedule!r} is not one of {', '.join(SCHEDULES)}")
+        if self.trainable not in TRAINABLE:
+            raise InvalidArgument(
+                f"trainable={self.trainable!r} is not one of {', '.join(TRAINABLE)}")
+        if not isinstance(self.backward_autocast, bool):
+            raise InvalidArgument(
+                f"backward_autocast={self.backward_autocast!r}: must be true or false")
+        if not isinstance(self.backward_passes, int) or not 1 <= self.backward_passes <= 3:
+            raise InvalidArgument(
+                f"backward_passes={self.backward_passes!r}: must be 1, 2 or 3")
+        if self.schedule != "one" and self.grad_mode in ("accumulate", "create-graph"):
+            raise InvalidArgument(
+                f"schedule={self.schedule!r} with grad_mode={self.grad_mode!r}: a schedule "
+                f"has its own micro-batches and one backward each; use grad_mode='backward' "
+                f"or 'autograd-grad'")
+        if self.backward_passes > 1 and self.grad_mode == "create-graph":
+            raise InvalidArgument(
+                f"backward_passes={self.backward_passes} with grad_mode='create-graph': a "
+                f"gradient penalty backpropagates twice already; use backward_passes=1")
+        n = self.micro_batch_count
+        if isinstance(self.model, BatchNormConfig) and self.batch.batch_size < 2 * n:
+            raise InvalidArgument(
+                f"batch_size={self.batch.batch_size} with {n} micro-batches: BatchNorm needs "
+                f"2 samples in each; use batch_size >= {2 * n}")
+        if self.trainable == "adapters" and not (isinstance(self.model, TransformerConfig)
+                                                 and self.model.value_hooks):
+            raise InvalidArgument(
+                "trainable='adapters' trains the reference transformer's LoRA pairs only; "
+                "it needs model_kind 'transformer' with value_hooks=true")
+
+    @property
+    def micro_batch_count(self) -> int:
+        """Micro-batches per optimizer step: the schedule's, 2 under ``accumulate``, else 1."""
+        if self.schedule != "one":
+            return SCHEDULE_MICRO_BATCHES[self.schedule]
+        return 2 if self.grad_mode == "accumulate" else 1
+
     @property
     def model_kind(self) -> str:
         return next(kind for kind, config in _CONFIGS.items() if isinstance(self.model, config))
 
     def features(self) -> tuple[str, ...]:
         """What of ``CASE_FEATURES`` the case has, for ``Implementation.declines``."""
-        return (INPLACE_OPS,) if getattr(self.model, "inplace_ops", False) else ()
+        features = [INPLACE_OPS] if getattr(self.model, "inplace_ops", False) else []
+        features += [self.schedule] if self.schedule != "one" else []
+        features += [RETAIN_GRAPH] if self.backward_passes > 1 else []
+        features += [BACKWARD_AUTOCAST] if self.backward_autocast else []
+        features += [self.trainable] if self.trainable != "all" else []
+        return tuple(features)
 
     def describe(self) -> str:
         """A short human line: what makes this case this case, random sites included."""
@@ -137,6 +199,13 @@ class Case:
         """How the steps differ from one ``loss.backward()`` each, for ``describe``."""
         parts = [] if self.grad_mode == "backward" else [_GRAD_MODE_WORDS[self.grad_mode]]
         parts += ["eval and no_grad forwards first"] if self.inference else []
+        if self.schedule != "one":
+            parts.append(f"{_SCHEDULE_WORDS[self.schedule]} over {self.micro_batch_count} "
+                         f"micro-batches")
+        parts += [f"{self.backward_passes} backward passes (retain_graph)"
+                  ] if self.backward_passes > 1 else []
+        parts += ["backward under autocast"] if self.backward_autocast else []
+        parts += [_TRAINABLE_WORDS[self.trainable]] if self.trainable != "all" else []
         return "".join(f", {p}" for p in parts)
 
     @property
@@ -156,6 +225,10 @@ class Case:
             "steps": self.steps,
             "grad_mode": self.grad_mode,
             "inference": self.inference,
+            "schedule": self.schedule,
+            "backward_passes": self.backward_passes,
+            "backward_autocast": self.backward_autocast,
+            "trainable": self.trainable,
         }
 
     def to_json(self) -> str:
@@ -194,11 +267,22 @@ class Case:
         return cls.from_dict(data)
 
     def autocast(self, device: torch.device) -> contextlib.AbstractContextManager[Any]:
-        """The precision regime as a context for forward and loss (backward stays outside)."""
+        """The precision regime as a context for forward and loss (backward stays outside
+        unless ``backward_autocast``: ``backward_context``)."""
         if not self.dtype.endswith("-autocast"):
             return contextlib.nullcontext()
         dtype = torch.bfloat16 if self.dtype.startswith("bf16") else torch.float16
         return torch.autocast(device.type, dtype=dtype)
+
+    def backward_context(self, device: torch.device) -> contextlib.AbstractContextManager[Any]:
+        """Where backward runs: outside autocast, or under ``backward_autocast`` inside the
+        forward's autocast (bf16 autocast where the forward had none: a re-run must run in
+        the forward's state, not in backward's)."""
+        if not self.backward_autocast:
+            return contextlib.nullcontext()
+        if self.dtype.endswith("-autocast"):
+            return self.autocast(device)
+        return torch.autocast(device.type, dtype=torch.bfloat16)
 
     def cost(self) -> float:
         """A rough measure of the work the case is, for keeping shrinking on cheap cases:
@@ -208,8 +292,8 @@ class Case:
         layers = getattr(model, "n_layer", 0) * getattr(model, "layer_repeats", 1)
         width = getattr(model, "n_embd", getattr(model, "width", 0))
         elements = width * self.batch.batch_size * self.batch.seq_len
-        passes = (2 if self.grad_mode == "accumulate" else 1) * (
-            2 if self.grad_mode == "create-graph" else 1)
+        passes = (1 + (self.micro_batch_count - 1) / 2) * (
+            2 if self.grad_mode == "create-graph" else 1) * (1 + (self.backward_passes - 1) / 2)
         return layers * (1 + elements / 4096) * passes * self.steps * (1 + self.inference)
 
     def with_seed_offset(self, offset: int) -> Case:

@@ -22,8 +22,8 @@ from gradequiv.harness.implementations.adapters import Implementation
 from gradequiv.models import Segment, Workload, build
 from gradequiv.models.segments import RoutedModel
 
-__all__ = ["MICRO_BATCHES", "PreparedPath", "build_path", "micro_batches", "prepare",
-           "seed_training_stream", "training_seed"]
+__all__ = ["ADAPTER_PARAMETERS", "MICRO_BATCHES", "PreparedPath", "build_path", "micro_batches",
+           "prepare", "seed_training_stream", "training_seed"]
 
 #: Micro-batches accumulated per optimizer step when a case asks for accumulation.
 MICRO_BATCHES = 2
@@ -96,10 +96,45 @@ class PreparedPath:
 
     def micro_batches(self) -> list[tuple[tuple[Tensor | None, ...], Tensor]]:
         """The batches of one optimizer step: the whole batch, or its micro-batches when the
-        case accumulates (made afresh each step: a slice's graph lives for one backward)."""
-        if self.case.grad_mode != "accumulate":
+        case accumulates or has a schedule (made afresh each step: a slice's graph lives
+        for one backward)."""
+        n = self.case.micro_batch_count
+        if n == 1:
             return [(self.inputs, self.targets)]
-        return micro_batches(self.inputs, self.targets, MICRO_BATCHES)
+        return micro_batches(self.inputs, self.targets, n)
+
+    def set_trainable(self, step: int) -> None:
+        """Which parameters train at ``step`` (``case.trainable``), set before its forward:
+        ``requires_grad_`` on the model's own parameters, as partial fine-tuning does."""
+        trainable = self.case.trainable
+        if trainable == "all":
+            return
+        if trainable == "adapters":
+            if step == 1:
+                for name, p in self.model.named_parameters():
+                    p.requires_grad_(name.rsplit(".", 1)[-1] in ADAPTER_PARAMETERS)
+                _make_input_require_grads(self.model)
+            return
+        frozen = trainable == "frozen-layer" or step % 2 == 1
+        first = self.segments[0] if self.segments else None
+        modules = (first.counted if first is not None else ())
+        for module in modules:
+            for p in module.parameters():
+                p.requires_grad_(not frozen)
+
+
+#: The parameters that train under ``trainable="adapters"``: the reference transformer's LoRA
+#: pairs and steering vectors (``value_hooks``).
+ADAPTER_PARAMETERS = ("lora_a", "lora_b", "steering")
+
+
+def _make_input_require_grads(model: torch.nn.Module) -> None:
+    """The token embedding's output requires grad, as ``enable_input_require_grads`` in
+    transformers makes it for adapters over frozen embeddings (a reentrant checkpoint
+    gives its segment no gradients when none of its inputs requires grad)."""
+    embedding = getattr(model, "wte", None)
+    if isinstance(embedding, torch.nn.Module):
+        embedding.register_forward_hook(lambda _m, _a, out: out.requires_grad_(True))
 
 
 def micro_batches(inputs: tuple[Tensor | None, ...], targets: Tensor, n: int
@@ -113,8 +148,8 @@ def micro_batches(inputs: tuple[Tensor | None, ...], targets: Tensor, n: int
                                    for t in inputs)
     if not splittable:
         return [(inputs, targets)] * n
-    parts = [t.chunk(n) if t is not None else [None] * n for t in inputs]
-    return [(tuple(p[k] for p in parts), targets.chunk(n)[k]) for k in range(n)]
+    parts = [t.tensor_split(n) if t is not None else [None] * n for t in inputs]
+    return [(tuple(p[k] for p in parts), targets.tensor_split(n)[k]) for k in range(n)]
 
 
 def build_path(case: Case, device: torch.device) -> PreparedPath:

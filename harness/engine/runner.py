@@ -183,6 +183,7 @@ def run_path(
             model.train()
             path.seed()  # one training stream, the same for every path
             if case.inference:
+                path.set_trainable(1)
                 where = "the eval and no_grad forwards"
                 run.probes = _inference_forwards(path, call)
             for step in range(1, case.steps + 1):
@@ -191,6 +192,7 @@ def run_path(
                     _restore(start_from.starts[step - 2], params, optimizer, device)
                 elif step > 1:
                     run.starts.append(_snapshot(params, optimizer, device))
+                path.set_trainable(step)
                 optimizer.zero_grad(set_to_none=True)
                 for t in inputs:  # input leaves are no parameters: zero_grad misses them
                     if t is not None:
@@ -214,47 +216,67 @@ def run_path(
                 # Full storage's first step of several: nothing reads what its backward
                 # makes (a leak is counted from step 2 on), so its backward runs unwatched.
                 unwatched = impl is None and step == 1 < case.steps
+                # Under a schedule several forwards are in flight: their outputs and losses
+                # wait here for their backward.
+                pending: dict[int, tuple[Any, Tensor]] = {}
+                n = len(batches)
+                # A retained graph keeps what the first pass re-ran for the next one, and a
+                # summed backward re-runs every micro-batch's segments in one pass: neither
+                # is a carry (and create-graph's first backward keeps the graph for the
+                # double backward's)
+                carried = case.grad_mode != "create-graph" and case.backward_passes == 1 \
+                    and case.schedule != "summed"
                 with made if made is not None else contextlib.nullcontext():
-                    for k, batch in enumerate(batches):
-                        part = f" (micro-batch {k + 1} of {len(batches)})" if k else ""
-                        grads_in.suffix = f" (micro-batch {k + 1})" if k else ""
-                        where = f"step {step} forward{part}"
-                        measure = count_memory and k == 0
-                        if made is not None:
-                            # The forward's ops on each segment's parameters: what a re-run
-                            # that skips some (a selective policy) is measured against.
-                            with uses if uses is not None else contextlib.nullcontext():
-                                outputs, loss = path.forward(call, batch)
-                            held = made.held_bytes_by_device(ignore=[outputs, loss]) \
-                                if measure else None
-                            if measure:
-                                held_keys = made.alive_keys(ignore=[outputs, loss])
+                    for action, k in schedule_events(case.schedule, n):
+                        part = f" (micro-batch {k + 1} of {n})" if k > 0 or (
+                            k == 0 and case.schedule != "one") else ""
+                        if action == "forward":
+                            grads_in.suffix = f" (micro-batch {k + 1})" if k else ""
+                            where = f"step {step} forward{part}"
+                            measure = count_memory and k == 0
+                            if made is not None:
+                                # The forward's ops on each segment's parameters: what a
+                                # re-run that skips some (a selective policy) is measured
+                                # against.
+                                with uses if uses is not None else contextlib.nullcontext():
+                                    outputs, loss = path.forward(call, batches[k])
+                                held = made.held_bytes_by_device(ignore=[outputs, loss]) \
+                                    if measure else None
+                                if measure:
+                                    held_keys = made.alive_keys(ignore=[outputs, loss])
+                            else:
+                                outputs, loss, held = _forward(path, call, measure, batches[k],
+                                                               compiled=compiled is not None)
+                            if measure and held is not None:
+                                step_held = sum(held.values())
+                                held_saved = any(c[0] for c in saves.values()) \
+                                    if saves else None
+                                if step == 1:
+                                    run.held_on = held
+                            if n > 1:  # the step's loss: the micro-batches' mean
+                                loss = loss / n
+                            kept += [loss.detach(), main_output(outputs).detach()]
+                            pending[k] = (outputs, loss)
+                            del outputs, loss
+                            continue
+                        if k < 0:  # one backward of every micro-batch's loss summed
+                            where = f"step {step} backward (the {n} micro-batches' summed loss)"
+                            loss = torch.stack([pending.pop(j)[1] for j in sorted(pending)]
+                                               ).sum()
                         else:
-                            outputs, loss, held = _forward(path, call, measure, batch,
-                                                           compiled=compiled is not None)
-                        if measure and held is not None:
-                            step_held = sum(held.values())
-                            held_saved = any(c[0] for c in saves.values()) if saves else None
-                            if step == 1:
-                                run.held_on = held
-                        where = f"step {step} backward{part}"
-                        if len(batches) > 1:  # the step's loss: the micro-batches' mean
-                            loss = loss / len(batches)
-                        if measure and made is not None and uses is not None \
-                                and case.grad_mode != "create-graph":
-                            # (create-graph's first backward re-runs with the graph kept:
-                            # what it holds is the double backward's, not a leak)
+                            where = f"step {step} backward{part}"
+                            loss = pending.pop(k)[1]
+                        if k == 0 and count_memory and made is not None and uses is not None \
+                                and carried:
                             carry = RecomputeCarry(held_keys, functools.partial(
                                 _rerun_segments, uses, _segment_of(names, segments)))
-                        with phase.backward(), \
+                        with phase.backward(), case.backward_context(device), \
                                 carry if carry is not None and k == 0 \
                                 else made.paused() if unwatched and made is not None \
                                 else contextlib.nullcontext():
-                            touched |= _ask_gradients(case.grad_mode, loss, params, inputs,
-                                                      watch=uses,
-                                                      input_names=_input_names(model, inputs))
-                        kept += [loss.detach(), main_output(outputs).detach()]
-                        del outputs, loss
+                            touched |= _backward_passes(case, loss, params, inputs, uses,
+                                                        _input_names(model, inputs))
+                        del loss
                 left = None if made is None or unwatched else made.held_bytes(
                     ignore=[*kept, *grads_in.grads.values(),
                             *(p.grad for _, p in params if p.grad is not None),
@@ -315,7 +337,8 @@ def _inference_forwards(path: PreparedPath, call: nn.Module) -> dict[str, Tensor
 def _ask_gradients(mode: str, loss: Tensor, params: list[tuple[str, nn.Parameter]],
                    inputs: tuple[Tensor | None, ...],
                    watch: ParameterUses | None = None,
-                   input_names: list[str] | None = None) -> set[str]:
+                   input_names: list[str] | None = None,
+                   retain_graph: bool = False) -> set[str]:
     """Backpropagate ``loss`` the way the case asks; accumulate into ``.grad`` either way.
 
     With ``autograd-grad``, the gradients ``torch.autograd.grad`` returns are added into
@@ -334,7 +357,7 @@ def _ask_gradients(mode: str, loss: Tensor, params: list[tuple[str, nn.Parameter
         loss = loss + GRADIENT_PENALTY * _gradient_penalty(loss, params)
     if mode != "autograd-grad":
         with watching:
-            loss.backward()  # type: ignore[no-untyped-call]  # untyped in torch
+            loss.backward(retain_graph=retain_graph or None)  # type: ignore[no-untyped-call]
         return set()
     named: list[tuple[str, Tensor]] = [(f"param:{n}", p) for n, p in params if p.requires_grad]
     labels = input_names or [f"arg{i}" for i in range(len(inputs))]
@@ -342,12 +365,57 @@ def _ask_gradients(mode: str, loss: Tensor, params: list[tuple[str, nn.Parameter
               if t is not None and t.requires_grad]
     before = {name: None if t.grad is None else t.grad.clone() for name, t in named}
     with watching:
-        got = torch.autograd.grad(loss, [t for _, t in named], allow_unused=True)
+        got = torch.autograd.grad(loss, [t for _, t in named], allow_unused=True,
+                                  retain_graph=retain_graph or None)
     touched = {name for name, t in named if not _same_grad(before[name], t.grad)}
     with torch.no_grad():
         for (_, t), g in zip(named, got):
             if g is not None:
                 t.grad = g.detach() if t.grad is None else t.grad + g
+    return touched
+
+
+def schedule_events(schedule: str, n: int) -> list[tuple[str, int]]:
+    """The order a step runs its ``n`` micro-batches in: ``("forward", k)`` and
+    ``("backward", k)``; ``("backward", -1)`` is one backward of every loss summed."""
+    forwards = [("forward", k) for k in range(n)]
+    if schedule == "one":
+        return [event for k in range(n) for event in (("forward", k), ("backward", k))]
+    if schedule == "gpipe":
+        return forwards + [("backward", k) for k in range(n)]
+    if schedule == "gpipe-reverse":
+        return forwards + [("backward", k) for k in reversed(range(n))]
+    if schedule == "summed":
+        return [*forwards, ("backward", -1)]
+    # 1f1b: a pipeline's first stage of several: IN_FLIGHT forwards, then a backward before
+    # each new forward, then the last backwards
+    warm = min(IN_FLIGHT, n)
+    events = forwards[:warm]
+    for k in range(warm, n):
+        events += [("backward", k - warm), ("forward", k)]
+    return events + [("backward", k) for k in range(n - warm, n)]
+
+
+#: The most micro-batches in flight under ``1f1b`` (some faults need 4 to show).
+IN_FLIGHT = 4
+
+
+def _backward_passes(case: Case, loss: Tensor, params: list[tuple[str, nn.Parameter]],
+                     inputs: tuple[Tensor | None, ...], watch: ParameterUses | None,
+                     input_names: list[str]) -> set[str]:
+    """Backpropagate ``loss`` the way the case asks, in ``case.backward_passes`` parts whose
+    sum is the loss (weights 1, 2, 3, ... over their sum: each pass's gradients differ, so
+    one pass lost or run twice shows), the graph retained for all but the last."""
+    passes = case.backward_passes
+    if passes == 1:
+        return _ask_gradients(case.grad_mode, loss, params, inputs, watch=watch,
+                              input_names=input_names)
+    total = passes * (passes + 1) / 2
+    touched: set[str] = set()
+    for i in range(passes):
+        touched |= _ask_gradients(case.grad_mode, loss * ((i + 1) / total), params, inputs,
+                                  watch=watch, input_names=input_names,
+                                  retain_graph=i < passes - 1)
     return touched
 
 

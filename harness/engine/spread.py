@@ -8,7 +8,10 @@ eval and no_grad forwards before training, layers that return an auxiliary loss,
 applied twice, take ``x0`` by keyword, keep running statistics in buffers or run
 with autocast disabled inside an autocast forward, take their tensors nested in
 containers and by keyword only, run in-place ops, carry value-changing hooks or read
-parameters their module does not own, and sizes from one layer up to
+parameters their module does not own, and the ways training loops drive a segment
+(GPipe, reversed, 1F1B and summed micro-batch schedules, a loss backpropagated in two
+parts, backward inside autocast, a frozen segment, adapters only, which parameters train
+changing between steps), and sizes from one layer up to
 4 layers x 128 wide x 64 tokens (segment inputs of 16k elements) and one layer
 of 128k-element inputs. Cheap cases come first so a broken implementation fails
 fast.
@@ -104,6 +107,31 @@ def default_cases() -> list[Case]:
               "layer", seed=35),
         _case("2L-layer-outside-params-dropout", replace(
             _SMALL, outside_params=True, **_ALL_DROPOUT), "layer", seed=36),
+        # How real training loops drive a segment: several micro-batches in flight, several
+        # backward passes over one forward, backward inside autocast, frozen parameters
+        _case("2L-layer-gpipe-dropout", replace(_SMALL, **_ALL_DROPOUT), "layer",
+              batch=BatchConfig(4, 8), seed=38, schedule="gpipe"),
+        _case("2L-layer-gpipe-reverse-two-losses-dropout", replace(_SMALL, **_ALL_DROPOUT),
+              "layer", batch=BatchConfig(4, 8), seed=39, schedule="gpipe-reverse",
+              backward_passes=2),
+        _case("2L-layer-1f1b-dropout", replace(_SMALL, **_ALL_DROPOUT), "layer",
+              batch=BatchConfig(6, 8), seed=40, schedule="1f1b"),
+        _case("2L-layer-summed-micro-batches-dropout", replace(_SMALL, **_ALL_DROPOUT), "layer",
+              batch=BatchConfig(4, 8), seed=41, schedule="summed"),
+        _case("2L-layer-two-losses-dropout", replace(_SMALL, **_ALL_DROPOUT), "layer", seed=42,
+              backward_passes=2),
+        _case("2L-layer-bf16-fp32-last-layer-backward-autocast", replace(
+            _SMALL, fp32_last_layer=True, **_ALL_DROPOUT), "layer", "bf16-autocast", seed=43,
+            backward_autocast=True),
+        _case("2L-layer-fp32-backward-autocast-dropout", replace(_SMALL, **_ALL_DROPOUT),
+              "layer", seed=44, backward_autocast=True),
+        _case("3L-layer-frozen-layer-dropout", replace(_SMALL, n_layer=3, **_ALL_DROPOUT),
+              "layer", seed=45, trainable="frozen-layer"),
+        _case("2L-layer-changing-trainable-dropout", replace(_SMALL, **_ALL_DROPOUT), "layer",
+              seed=46, trainable="changing"),
+        _case("2L-layer-adapters-only-dropout", replace(_SMALL, value_hooks=True,
+                                                        **_ALL_DROPOUT), "layer", seed=47,
+              trainable="adapters"),
         _case("4Lx128x64-layer-dropout", _LARGE, "layer", batch=BatchConfig(2, 64), seed=11),
         _case("4Lx128x64-group2-bf16", _LARGE, "group:2", "bf16-autocast",
               batch=BatchConfig(2, 64), seed=12),

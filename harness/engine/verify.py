@@ -558,9 +558,10 @@ def _check_recompute(case: Case, full: PathRun, rc: PathRun, result: PropertyRes
         result.summary = ("the compiled graph saved fewer bytes for backward than the compiled "
                           "full-storage graph (segment re-runs cannot be watched inside a "
                           "compiled graph)")
-    # A gradient penalty backpropagates twice (create_graph, then through that graph): each
-    # pass may recompute each forward once; one recompute kept for both is right too.
-    passes = 2 if case.grad_mode == "create-graph" else 1
+    # A gradient penalty backpropagates twice (create_graph, then through that graph), and
+    # a loss split in parts once per part: each pass may recompute each forward once; one
+    # recompute kept for every pass is right too.
+    passes = (2 if case.grad_mode == "create-graph" else 1) * case.backward_passes
     # calls[module][2]: forwards with grad on, on the full path the ones backward must re-run.
     if compiled is None and full.steps and full.steps[0].calls and not any(
             counts[2] for counts in full.steps[0].calls.values()):

@@ -108,6 +108,9 @@ class Faults:
     #                                            the Function and again in .grad
     recomputed_held_to_backward_end: bool = False  # what each recompute saves stays alive
     #                                                until the whole backward ends
+    autocast_off_not_restored: bool = False  # autocast re-entered where the forward had it,
+    #                                          the ambient state kept where it had none: a
+    #                                          backward inside autocast re-runs in it
 
 
 @dataclass(frozen=True)
@@ -708,11 +711,17 @@ def _recompute_state(run: _Run, state: _State, first: bool) -> Iterator[None]:
             enabled = state.autocast is not None  # the truthiness bug: any saved state is "on"
         if faults.autocast_lost:
             enabled = False
-        autocast: Any = contextlib.nullcontext()
+        autocast: Any = contextlib.ExitStack()
         if enabled and faults.autocast_default_dtype:
             autocast = torch.autocast(device_type, enabled=True)
         elif enabled:
             autocast = torch.autocast(device_type, dtype=dtype, enabled=True)
+        elif not faults.autocast_off_not_restored:
+            # Off is a state too: a backward run inside an autocast block must not re-run
+            # a segment whose forward ran without autocast under backward's
+            for kind in _AUTOCAST_DEVICES:
+                if torch.is_autocast_enabled(kind):
+                    autocast.enter_context(torch.autocast(kind, enabled=False))
         was_training = module.training if module is not None else None
         if module is not None and faults.dropout_off:
             module.eval()
@@ -722,6 +731,10 @@ def _recompute_state(run: _Run, state: _State, first: bool) -> Iterator[None]:
         finally:
             if module is not None and was_training is not None:
                 module.train(was_training)
+
+
+#: The device types whose autocast a recompute turns off where the forward ran without it.
+_AUTOCAST_DEVICES = ("cpu", "cuda")
 
 
 def switches() -> list[str]:

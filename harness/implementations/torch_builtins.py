@@ -157,9 +157,10 @@ def torch_sac(function: Callable[..., Any], *args: Any, policy: str = "matmuls",
               **kwargs: Any) -> Any:
     """torch.utils.checkpoint (non-reentrant) with a selective-checkpoint policy.
 
-    It claims no ``create-graph``: a second backward over a selectively checkpointed region
-    raises ("You are only allowed to backward once on any region computed under selective
-    activation checkpoint"), and a gradient penalty backpropagates twice.
+    It claims no ``create-graph`` and declares ``retain-graph`` unsupported: a second
+    backward over a selectively checkpointed region raises ("You are only allowed to
+    backward once on any region computed under selective activation checkpoint"), and a
+    gradient penalty, or a loss backpropagated in parts, backpropagates twice.
 
     ``policy`` (``--impl-kwarg policy=...``): ``matmuls`` saves the outputs of
     matmul-like ops and recomputes the rest (the usual SAC set-up), ``none``
@@ -177,6 +178,10 @@ def torch_sac(function: Callable[..., Any], *args: Any, policy: str = "matmuls",
 
 
 torch_sac.gradequiv_strategy = SELECTIVE  # type: ignore[attr-defined]
+# A loss backpropagated in parts (retain_graph=True) runs a second backward over each region:
+# torch raises "Trying to backward an extra time. You are only allowed to backward once on
+# any region computed under selective activation checkpoint", loudly, by design.
+torch_sac.gradequiv_unsupported = ("retain-graph",)  # type: ignore[attr-defined]
 # No declaration of in-place ops: torch's SAC refuses an in-place op on an output its policy
 # saved ("Tensor cached during selective activation checkpoint has been mutated") only where
 # the write moves that output's version counter (a Linear with a bias, a 2-D input: verify()

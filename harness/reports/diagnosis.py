@@ -34,7 +34,8 @@ from gradequiv.harness.implementations.resolve import BUILTINS
 __all__ = ["CAUSES", "Diagnosis", "diagnose", "distinct_faults"]
 
 #: Every cause a diagnosis can name.
-CAUSES = ("raised", "refuses-autograd-grad", "process", "global-state", "rng-not-restored",
+CAUSES = ("raised", "refuses-autograd-grad", "refuses-pattern", "process", "global-state",
+          "rng-not-restored",
           "autocast-lost", "dropout-skipped", "saved-output-changed", "inputs-lost",
           "hooks-skipped", "no-input-requires-grad",
           "input-grads-dropped", "grad-mode-ignored",
@@ -193,6 +194,12 @@ def _cause(failure: dict[str, Any], record: dict[str, Any] | None,
                 f"design, as with torch's reentrant checkpoint, declare "
                 f"`gradequiv_unsupported = (\"autograd-grad\",)` on the callable and those "
                 f"cases are skipped")
+        refused = _refused_pattern(last, record)
+        if refused:
+            return "refuses-pattern", (
+                f"the implementation refuses {_PATTERN_WORDS[refused]} ({last}); if that is "
+                f"by design, declare `gradequiv_unsupported = (\"{refused}\",)` on the "
+                f"callable and those cases are skipped")
         if "backward" in (record.get("error_at") or ""):
             found = _model_draws(failure, raised=last)
             if found is not None:
@@ -513,6 +520,30 @@ def _no_input_requires_grad(record: dict[str, Any] | None, missing: list[str]) -
     model = (record.get("case") or {}).get("model") or {}
     return bool(model.get("freeze_embeddings")) and all(
         t.startswith(("grad of blocks.", "grad of input blocks.")) for t in missing)
+
+
+#: What a case's training-loop pattern is, in words, by its declaration name.
+_PATTERN_WORDS = {"retain-graph": "a second backward pass over one forward (retain_graph)",
+                  "gpipe": "several micro-batches in flight", "gpipe-reverse":
+                  "several micro-batches in flight", "1f1b": "several micro-batches in flight",
+                  "summed": "one backward over several forwards"}
+
+
+def _refused_pattern(line: str, record: dict[str, Any]) -> str:
+    """The case's training-loop pattern an exception refuses by name ("backward an extra
+    time", "backward through the graph a second time", "only once"), or ""."""
+    case = record.get("case") or {}
+    text = line.lower()
+    if (case.get("backward_passes") or 1) > 1 and any(word in text for word in (
+            "extra time", "second time", "only allowed to backward once", "retain_graph",
+            "more than once")):
+        return "retain-graph"
+    schedule = case.get("schedule") or "one"
+    if schedule != "one" and any(word in text for word in (
+            "in flight", "micro-batch", "microbatch", "pipeline", "not supported",
+            "unsupported")):
+        return str(schedule)
+    return ""
 
 
 def _refuses_autograd_grad(line: str) -> bool:
