@@ -173,12 +173,32 @@ def locate(impl: Implementation, failure: dict[str, Any]) -> None:
     if key not in located:
         located[key] = localise(impl, case, runtime.RUN.device())
     found = located[key]
+    failure["needs_pattern"] = _patterns_needed(impl, case, failure["property"])
     failure["localisation"] = found.describe()
     failure["first_diverging_op"] = found.divergence.to_dict() if found.divergence else None
     if found.divergence is None and found.matched and failure["property"] in NOT_IN_OPS:
         failure["localisation"] = "; ".join([
             f"every recomputed op of step 1 matched its original, and "
             f"{NOT_IN_OPS[failure['property']]}", *found.model])
+
+
+def _patterns_needed(impl: Implementation, case: Case, prop: str) -> list[str]:
+    """The case's training-loop patterns without which the property holds (each switched
+    off alone, then all together): the op-level search drives one forward and one backward,
+    so what only a schedule, a second pass, a backward under autocast or frozen parameters
+    show is told by these."""
+    patterns = case.loop_patterns()
+    if not patterns:
+        return []
+    device = runtime.RUN.device()
+    needed = [name for name, off in patterns.items()
+              if _failure(prop, verify(impl, off, device=device)) == ""]
+    if needed or len(patterns) == 1:
+        return needed
+    bare = case
+    for name in patterns:
+        bare = bare.loop_patterns()[name]
+    return list(patterns) if _failure(prop, verify(impl, bare, device=device)) == "" else []
 
 
 #: What the evidence says where step 1's recomputed ops all match and a property still fails.

@@ -286,3 +286,37 @@ def test_a_users_model_gets_the_schedules_and_the_loss_in_parts() -> None:
         caught = verify(_checks(slot_checkpoint if "schedule" in fields
                                 else rng_consumed_checkpoint), case)
         assert not caught.passed, case.describe()
+
+
+def _undeclared_sac(function: Checkpoint, *args: Any, **kwargs: Any) -> Any:
+    from gradequiv.harness.implementations.torch_builtins import torch_sac
+
+    return torch_sac(function, *args, **kwargs)
+
+
+_undeclared_sac.gradequiv_strategy = "selective"  # type: ignore[attr-defined]
+
+
+@pytest.mark.parametrize(("target", "name", "cause", "words"), [
+    (slot_checkpoint, "2L-layer-gpipe-dropout", "in-flight-state", "4 micro-batches in flight"),
+    (ring_checkpoint, "2L-layer-1f1b-dropout", "in-flight-state", "(1f1b)"),
+    (rng_consumed_checkpoint, "2L-layer-two-losses-dropout", "second-pass", "in 2 parts"),
+    (None, "2L-layer-fp32-backward-autocast-dropout", "autocast-from-backward",
+     "backward's autocast state"),
+    (frozen_skipped_checkpoint, "3L-layer-frozen-layer-dropout", "trainable-misread",
+     "trainable='frozen-layer'"),
+    (trainable_cached_checkpoint, "2L-layer-changing-trainable-dropout", "trainable-misread",
+     "trainable='changing'"),
+    (_undeclared_sac, "2L-layer-two-losses-dropout", "refuses-pattern",
+     'gradequiv_unsupported = ("retain-graph",)'),
+])
+def test_a_fault_only_a_pattern_shows_is_named_by_the_pattern(
+        target: Checkpoint | None, name: str, cause: str, words: str) -> None:
+    """The op-level search drives one forward and one backward, where these faults do not
+    show; the cause says which pattern the failure needs, found by the case without it."""
+    from test_diagnosis import diagnosed
+
+    impl = _faulty("autocast-off-not-restored", autocast_off_not_restored=True) \
+        if target is None else _checks(target)
+    found, sentence, failure = diagnosed(impl, find_case(name))
+    assert (found, words in sentence) == (cause, True), sentence

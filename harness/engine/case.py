@@ -150,6 +150,21 @@ class Case:
                 "trainable='adapters' trains the reference transformer's LoRA pairs only; "
                 "it needs model_kind 'transformer' with value_hooks=true")
 
+    def loop_patterns(self) -> dict[str, Case]:
+        """Each training-loop pattern the case has (by its declaration name), and the case
+        without it: what a failure that needs the pattern is told by."""
+        off = {"retain-graph": {"backward_passes": 1},
+               "backward-autocast": {"backward_autocast": False}}
+        patterns = {}
+        for name in self.features():
+            if name in off:
+                patterns[name] = replace(self, **off[name])  # type: ignore[arg-type]
+            elif name == self.schedule:
+                patterns[name] = replace(self, schedule="one")
+            elif name == self.trainable:
+                patterns[name] = replace(self, trainable="all")
+        return patterns
+
     @property
     def micro_batch_count(self) -> int:
         """Micro-batches per optimizer step: the schedule's, 2 under ``accumulate``, else 1."""

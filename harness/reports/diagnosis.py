@@ -34,7 +34,9 @@ from gradequiv.harness.implementations.resolve import BUILTINS
 __all__ = ["CAUSES", "Diagnosis", "diagnose", "distinct_faults"]
 
 #: Every cause a diagnosis can name.
-CAUSES = ("raised", "refuses-autograd-grad", "refuses-pattern", "process", "global-state",
+CAUSES = ("raised", "refuses-autograd-grad", "refuses-pattern", "in-flight-state",
+          "second-pass", "autocast-from-backward", "trainable-misread", "process",
+          "global-state",
           "rng-not-restored",
           "autocast-lost", "dropout-skipped", "saved-output-changed", "inputs-lost",
           "hooks-skipped", "no-input-requires-grad",
@@ -120,7 +122,7 @@ def _further_faults(cause: str, failure: dict[str, Any], record: dict[str, Any] 
             found.append((other, sentence))
     missing = _missing(texts)
     if missing and cause not in ("input-grads-dropped", "no-input-requires-grad",
-                                 "no-recompute", "no-memory-saved") \
+                                 "no-recompute", "no-memory-saved", "trainable-misread") \
             and not any(c == "no-recompute" for c, _ in found):
         found.append(("input-grads-dropped", _grads_dropped(missing[0])))
     return found
@@ -225,6 +227,8 @@ def _cause(failure: dict[str, Any], record: dict[str, Any] | None,
         found = _from_divergence(op)
         if found is not None:
             return found
+    if failure.get("needs_pattern"):
+        return _needs_pattern(failure["needs_pattern"], (record or {}).get("case") or {})
     extra = next((t for t in texts.get("gradients", []) if "exists only on the recompute" in t
                   or "absent on the full-storage path" in t), "")
     if extra or any("its forward ran under no_grad" in t for t in texts.get("recompute", [])):
@@ -527,6 +531,38 @@ _PATTERN_WORDS = {"retain-graph": "a second backward pass over one forward (reta
                   "gpipe": "several micro-batches in flight", "gpipe-reverse":
                   "several micro-batches in flight", "1f1b": "several micro-batches in flight",
                   "summed": "one backward over several forwards"}
+
+
+def _needs_pattern(patterns: list[str], case: dict[str, Any]) -> tuple[str, str]:
+    """The cause of a failure the case's training-loop patterns alone show (the property
+    holds with them off: ``needs_pattern``)."""
+    first = patterns[0]
+    if first in _PATTERN_WORDS and first != "retain-graph":
+        n = {"gpipe": 4, "gpipe-reverse": 4, "1f1b": 6, "summed": 4}.get(first, 2)
+        return "in-flight-state", (
+            f"the case passes with each micro-batch's backward right after its forward and "
+            f"fails with {n} micro-batches in flight ({first}): what the implementation keeps "
+            f"between a forward and its backward (saved boundaries, RNG or autocast state, "
+            f"host buffers) is not each call's own, so one forward's is overwritten or taken by "
+            f"another's; key it by the call (a token only its autograd context holds)")
+    if first == "retain-graph":
+        return "second-pass", (
+            f"the case passes with one backward pass and fails with the loss backpropagated "
+            f"in {case.get('backward_passes', 2)} parts (retain_graph=True): a later backward "
+            f"pass over the same forward re-runs or accumulates differently (RNG state or "
+            f"saved inputs used up by the first pass, a leaf's .grad kept from it)")
+    if first == "backward-autocast":
+        return "autocast-from-backward", (
+            "the case passes with backward outside autocast and fails with backward inside "
+            "an autocast block: the re-run ran in backward's autocast state, not the "
+            "forward's (autocast off, in a forward or in one of its layers, is a state to "
+            "restore too)")
+    return "trainable-misread", (
+        f"the case passes with every parameter training and fails with "
+        f"trainable={first!r}: the implementation decides from which parameters train "
+        f"once, or skips a segment with nothing to train, so gradients stop at a frozen "
+        f"segment or miss parameters unfrozen later (requires_grad is a fact of each call, "
+        f"and a frozen segment still passes gradients to its inputs)")
 
 
 def _refused_pattern(line: str, record: dict[str, Any]) -> str:
