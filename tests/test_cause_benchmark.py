@@ -61,6 +61,16 @@ EXPECTED = {
     "recomputed-held-to-backward-end": ("plain", "recomputed-held"),
     "padding-zeroed": ("2L-layer-manual-attn", "forward-changed"),
     "autocast-latched": ("2L-layer-bf16-fp32-last-layer", "autocast-lost"),
+    "autocast-off-not-restored": ("2L-layer-fp32-backward-autocast-dropout",
+                                  "autocast-from-backward"),
+    "boundary-per-module-slot": ("2L-layer-gpipe-dropout", "in-flight-state"),
+    "state-per-module-stack": ("2L-layer-gpipe-dropout", "in-flight-state"),
+    "host-pool-of-three": ("2L-layer-1f1b-dropout", "in-flight-state"),
+    "input-leaves-grad-kept": ("2L-layer-two-losses-dropout", "second-pass"),
+    "rng-state-consumed-by-backward": ("2L-layer-two-losses-dropout", "second-pass"),
+    "saved-inputs-freed-after-backward": ("2L-layer-two-losses-dropout", "second-pass"),
+    "trainable-params-cached": ("2L-layer-changing-trainable-dropout", "trainable-misread"),
+    "frozen-segment-no-grad": ("3L-layer-frozen-layer-dropout", "trainable-misread"),
 }
 
 

@@ -111,6 +111,22 @@ class Faults:
     autocast_off_not_restored: bool = False  # autocast re-entered where the forward had it,
     #                                          the ambient state kept where it had none: a
     #                                          backward inside autocast re-runs in it
+    boundary_per_module_slot: bool = False  # saved inputs kept in one slot per module: the
+    #                                         last forward's, when several are in flight
+    state_per_module_stack: bool = False  # RNG/autocast states in a per-module LIFO stack,
+    #                                       pushed by forward, popped by backward
+    host_pool_of_three: bool = False  # saved inputs copied into three host buffers per
+    #                                   module, indexed by the calls awaiting backward
+    input_leaves_grad_kept: bool = False  # the detached input leaves made once in forward:
+    #                                       each backward pass adds into their .grad
+    rng_state_consumed_by_backward: bool = False  # the first backward pass takes the RNG
+    #                                               state: a second re-runs with fresh draws
+    saved_inputs_freed_after_backward: bool = False  # saved inputs released by the first
+    #                                                  backward pass: a second returns None
+    trainable_params_cached: bool = False  # a segment's trainable parameters read at its
+    #                                        first call: those unfrozen later get no gradient
+    frozen_segment_no_grad: bool = False  # a segment with no trainable parameter run under
+    #                                       no_grad: no gradient reaches its input
 
 
 @dataclass(frozen=True)
@@ -304,6 +320,48 @@ MUTANTS: tuple[Mutant, ...] = (
                                                "backward, yet backward's peak is full "
                                                "storage's",
             "https://github.com/radixark/miles/pull/2862"),
+    _mutant("autocast_off_not_restored", "the recompute enters the forward's autocast where "
+                                         "it had one and leaves the ambient state alone "
+                                         "where it had none: a backward run inside an "
+                                         "autocast block (an fp32 forward, an fp32 layer of "
+                                         "a bf16 model) re-runs in bf16"),
+    _mutant("boundary_per_module_slot", "the segment's inputs saved on its module (one slot, "
+                                        "the last forward's): right while each forward is "
+                                        "followed by its backward, wrong once micro-batches "
+                                        "are in flight (GPipe, 1F1B, a summed backward)"),
+    _mutant("state_per_module_stack", "RNG and autocast states pushed on a per-module stack "
+                                      "by each forward and popped by each backward: right "
+                                      "when backwards run in reverse order, wrong under "
+                                      "GPipe's and 1F1B's first-in first-out backwards"),
+    _mutant("host_pool_of_three", "saved inputs copied into a fixed set of three host "
+                                  "buffers per layer, indexed by the calls still awaiting "
+                                  "their backward (contiguous activation buffers indexed by "
+                                  "layer, reset in backward): a fourth micro-batch in flight "
+                                  "overwrites the first's", f"{_DEEPSPEED}/pull/3005"),
+    _mutant("input_leaves_grad_kept", "detached input leaves made once in forward and reused "
+                                      "by every backward pass, their .grad read back and never "
+                                      "cleared: a second backward pass over the same forward "
+                                      "(retain_graph) adds the first pass's input gradient",
+            f"{_MEGATRON}/pull/6339"),
+    _mutant("rng_state_consumed_by_backward", "the forward's RNG state handed to the first "
+                                              "backward pass and dropped (popped from its "
+                                              "stash): a second pass over the same forward "
+                                              "re-runs dropout with fresh masks"),
+    _mutant("saved_inputs_freed_after_backward", "saved inputs released by the first backward "
+                                                 "pass (an offload buffer given back): a second "
+                                                 "pass over the same forward (retain_graph) "
+                                                 "returns no gradient, silently (Megatron's "
+                                                 "CheckpointWithoutOutput sets its saved "
+                                                 "tensors to None in backward)",
+            "https://github.com/linkedin/Liger-Kernel/issues/555"),
+    _mutant("trainable_params_cached", "the segment's trainable parameters cached at its first "
+                                       "call: parameters unfrozen later (a layer frozen for "
+                                       "the first steps, then trained) get no gradient",
+            "https://github.com/modelscope/ms-swift/pull/10142"),
+    _mutant("frozen_segment_no_grad", "a segment whose parameters are all frozen run under "
+                                      "no_grad, as having nothing to train: the gradient to "
+                                      "its input, and so to every layer before it, is lost",
+            "https://github.com/huggingface/transformers/issues/16276"),
 )
 
 
@@ -332,6 +390,19 @@ _KEPT_OUTPUTS: weakref.WeakKeyDictionary[Any, Any] = weakref.WeakKeyDictionary()
 _KEPT_INPUTS: weakref.WeakKeyDictionary[Any, list[tuple[Tensor, ...]]] = (
     weakref.WeakKeyDictionary())
 
+#: The faults that key by module what belongs to one call, each dying with the model: the
+#: last forward's saved inputs (cleared when that call's context is freed), a stack of
+#: states, three host buffers per segment and the calls awaiting backward that index them,
+#: the trainable parameters of a segment's first call.
+_BOUNDARY: weakref.WeakKeyDictionary[Any, tuple[Tensor, ...]] = weakref.WeakKeyDictionary()
+_STACK: weakref.WeakKeyDictionary[Any, list[_State]] = weakref.WeakKeyDictionary()
+_POOL: weakref.WeakKeyDictionary[Any, list[list[Tensor] | None]] = weakref.WeakKeyDictionary()
+_AWAITING: weakref.WeakKeyDictionary[Any, weakref.WeakSet[Any]] = weakref.WeakKeyDictionary()
+_TRAINABLE: weakref.WeakKeyDictionary[Any, list[nn.Parameter]] = weakref.WeakKeyDictionary()
+
+#: Host buffers per segment (host-pool-of-three).
+_POOL_SIZE = 3
+
 #: Inputs with more elements than this are stored compressed (large-boundary-compressed).
 _COMPRESS_ABOVE = 65536
 
@@ -348,11 +419,16 @@ def checkpoint_with_faults(
         kwargs = {k: v.detach() if isinstance(v, Tensor) else v for k, v in kwargs.items()}
     module = function if isinstance(function, nn.Module) else None
     params = [p for p in module.parameters() if p.requires_grad] if module is not None else []
+    if faults.frozen_segment_no_grad and module is not None and not params:
+        with torch.no_grad():
+            return function(*args, **kwargs)
+    if faults.trainable_params_cached and module is not None:
+        params = _TRAINABLE.setdefault(module, params)
     leaves, spec = tree_flatten((args, kwargs))
     top = {id(a) for a in (*args, *kwargs.values()) if isinstance(a, Tensor)}
     slots = [i for i, leaf in enumerate(leaves) if isinstance(leaf, Tensor)
              and (id(leaf) in top or not faults.nested_tensors_no_grad)]
-    run = _Run(function, leaves, spec, slots, args, faults, module)
+    run = _Run(function, leaves, spec, slots, args, faults, module, params=params)
     tensors = [leaves[i] for i in slots]
     outside = _first_run(run, tensors, params)
     run.n_params = len(params) + len(outside)
@@ -380,7 +456,8 @@ def _first_run(run: _Run, tensors: list[Tensor], params: list[nn.Parameter]
     module = run.module
     frozen = [b.clone() for b in module.buffers()] \
         if module is not None and faults.bn_stats_in_recompute_only else []
-    known = {id(t) for t in (*tensors, *params)}
+    own = module.parameters() if module is not None else ()
+    known = {id(t) for t in (*tensors, *params, *own)}
     reads = _OutsideReads(known) if not faults.outside_params_no_grad \
         else contextlib.nullcontext(None)
     cache = MatmulStore(run.cached, replay=False) if faults.matmul_outputs_cached \
@@ -401,6 +478,8 @@ def _first_run(run: _Run, tensors: list[Tensor], params: list[nn.Parameter]
         _SLOT[run.function] = state
     if faults.state_queue_without_backward:
         _QUEUE.setdefault(run.function, deque()).append(state)
+    if faults.state_per_module_stack:
+        _STACK.setdefault(run.function, []).append(state)
     outside = list(seen.found.values()) if seen is not None else []
     run.outside = outside
     return outside
@@ -471,6 +550,7 @@ class _Run:
     faults: Faults
     module: nn.Module | None
     n_params: int = 0  # parameters among the Function inputs: own, then outside
+    params: list[nn.Parameter] = field(default_factory=list)  # own, as the call found them
     state: _State | None = None
     out: Any = None  # the first run's outputs, until the Function hands them over
     outside: list[nn.Parameter] = field(default_factory=list)
@@ -555,6 +635,15 @@ class _Recompute(torch.autograd.Function):
         if faults.saved_inputs_kept or (faults.stash_kept_after_warmup
                                         and run.function in _RECOMPUTED):
             _KEPT_INPUTS.setdefault(run.function, []).append(tuple(tensors))
+        if faults.boundary_per_module_slot:
+            _BOUNDARY[run.function] = tuple(tensors)
+            weakref.finalize(ctx, _forget_boundary, run.function, _BOUNDARY[run.function])
+        if faults.input_leaves_grad_kept:
+            ctx.leaves = tuple(t.detach().requires_grad_(t.requires_grad) for t in tensors)
+        if faults.host_pool_of_three:
+            ctx.needs = [t.requires_grad for t in tensors]
+            ctx.pooled = _into_pool(run.function, ctx, tensors)
+            tensors = ()
         ctx.save_for_backward(*tensors)
         return out
 
@@ -564,7 +653,17 @@ class _Recompute(torch.autograd.Function):
         faults = run.faults
         if faults.crash_in_backward:
             raise RuntimeError("recompute buffer was freed before backward")
+        if faults.saved_inputs_freed_after_backward:
+            if getattr(ctx, "freed", False):
+                return (None,) * len(ctx.needs_input_grad)
+            ctx.freed = True
         saved = ctx.saved_tensors
+        if faults.boundary_per_module_slot:
+            saved = _BOUNDARY.get(run.function, saved)
+        if faults.host_pool_of_three:
+            _AWAITING[run.function].discard(ctx)
+            saved = tuple(t.detach().requires_grad_(needs)
+                          for t, needs in zip(ctx.pooled, ctx.needs))
         if faults.large_boundary_compressed:
             saved = tuple(t.to(dtype).requires_grad_(needs)
                           for t, dtype, needs in zip(saved, ctx.dtypes, ctx.needs))
@@ -584,8 +683,12 @@ class _Recompute(torch.autograd.Function):
             or faults.accumulated_grad_overwritten)
         inputs = tuple(t.view_as(t) if double and t.requires_grad
                        else t.detach().requires_grad_(t.requires_grad) for t in saved)
+        if faults.input_leaves_grad_kept:
+            inputs = ctx.leaves
         module = run.module
-        named = [(n, p) for n, p in module.named_parameters() if p.requires_grad] \
+        # The parameters that were Function inputs: those that trained when the call ran
+        chosen = {id(p) for p in run.params}
+        named = [(n, p) for n, p in module.named_parameters() if id(p) in chosen] \
             if module is not None else []
         # Then the parameters it read and does not own: read through the closure or the
         # module that holds them, so never aliased (the base claims no create-graph).
@@ -604,7 +707,11 @@ class _Recompute(torch.autograd.Function):
             state = _SLOT.get(run.function, state)
         if faults.state_queue_without_backward and _QUEUE.get(run.function):
             state = _QUEUE[run.function].popleft()
+        if faults.state_per_module_stack and _STACK.get(run.function):
+            state = _STACK[run.function].pop()
         assert state is not None
+        if faults.rng_state_consumed_by_backward:  # what a later pass finds: no RNG state
+            run.state = _State(None, None, state.autocast)
         cache = MatmulStore(run.cached, replay=True) if faults.matmul_outputs_cached \
             else contextlib.nullcontext()
         kept = _held_to_backward_end() if faults.recomputed_held_to_backward_end \
@@ -630,6 +737,9 @@ class _Recompute(torch.autograd.Function):
                 got = list(torch.autograd.grad([o for o, _ in pairs], wanted + wrt,
                                                [g for _, g in pairs], allow_unused=True,
                                                create_graph=double))
+            if faults.input_leaves_grad_kept:
+                _accumulate_into_leaves(wanted, got[:len(wanted)])
+                got[:len(wanted)] = [t.grad for t in wanted]
             it = iter(got[:len(wanted)])
             input_grads = [next(it) if t.requires_grad else None for t in inputs]
             param_grads = got[len(wanted):]
@@ -647,6 +757,40 @@ class _Recompute(torch.autograd.Function):
                     if g is not None:
                         p.grad = g.detach().clone() if p.grad is None else p.grad + g
         return (None, *input_grads, *param_grads)
+
+
+def _forget_boundary(function: Any, tensors: tuple[Tensor, ...]) -> None:
+    """A freed call's inputs leave the module's slot, unless a later call's are there."""
+    if _BOUNDARY.get(function) is tensors:
+        del _BOUNDARY[function]
+
+
+def _into_pool(function: Any, ctx: Any, tensors: tuple[Tensor, ...]) -> list[Tensor]:
+    """Copies of ``tensors`` in the segment's host buffer numbered by how many of its calls
+    (their contexts) await their backward (host-pool-of-three): a fourth in flight reuses
+    the first's."""
+    awaiting = _AWAITING.setdefault(function, weakref.WeakSet())
+    pool = _POOL.setdefault(function, [None] * _POOL_SIZE)
+    index = len(awaiting) % _POOL_SIZE
+    awaiting.add(ctx)
+    buffers = pool[index]
+    if buffers is None or [(b.shape, b.dtype) for b in buffers] != [
+            (t.shape, t.dtype) for t in tensors]:
+        buffers = pool[index] = [t.detach().clone() for t in tensors]
+    else:
+        with torch.no_grad():
+            for buffer, t in zip(buffers, tensors):
+                buffer.copy_(t)
+    return buffers
+
+
+def _accumulate_into_leaves(leaves: list[Tensor], grads: list[Tensor | None]) -> None:
+    """What ``torch.autograd.backward(outputs, inputs=leaves)`` does: each gradient added
+    into its leaf's ``.grad`` (input-leaves-grad-kept then reads ``.grad`` back)."""
+    with torch.no_grad():
+        for leaf, g in zip(leaves, grads):
+            if g is not None:
+                leaf.grad = g.detach().clone() if leaf.grad is None else leaf.grad + g
 
 
 def _held_to_backward_end() -> Any:

@@ -4,8 +4,9 @@ For each of several seeds, draw cases as the suite does (``cases()``, no
 shrinking) and count the examples until ``preserve_rng_state=False`` fails
 the gradients property; ``extra_info`` holds the median and the worst. The
 same for each mutant of the fault library's newer families, grouped by what
-of real training they need (and, in a second table, the families of segments as real
-layers have them): the examples until any property fails (-1: not
+of real training they need (and, in further tables, the families of segments as real
+layers have them and of how training loops drive a segment): the examples until any
+property fails (-1: not
 within the limit), and which property fails first most often.
 """
 
@@ -85,6 +86,16 @@ SEGMENT_FAMILIES_BY_ITEM = {
     "parameters from outside the segment": ("outside-params-no-grad",
                                             "outside-params-grad-doubled"),
 }
+#: The families of how training loops drive a segment: micro-batches in flight, several
+#: backward passes over one forward, backward inside autocast, partial fine-tuning.
+TRAINING_LOOP_FAMILIES_BY_ITEM = {
+    "micro-batches in flight": ("boundary-per-module-slot", "state-per-module-stack",
+                                "host-pool-of-three"),
+    "several backward passes": ("input-leaves-grad-kept", "rng-state-consumed-by-backward",
+                                "saved-inputs-freed-after-backward"),
+    "backward inside autocast": ("autocast-off-not-restored",),
+    "partial fine-tuning": ("trainable-params-cached", "frozen-segment-no-grad"),
+}
 NEW_FAMILIES = tuple(name for names in FAMILIES_BY_ITEM.values() for name in names)
 MUTANT_SEEDS = range(5)
 
@@ -146,3 +157,9 @@ def test_examples_until_each_segment_family_is_caught(benchmark: Any) -> None:
     """Segments as real layers have them: nested inputs, in-place ops, value-changing
     hooks, parameters from outside the segment's module."""
     _family_table(benchmark, SEGMENT_FAMILIES_BY_ITEM)
+
+
+def test_examples_until_each_training_loop_family_is_caught(benchmark: Any) -> None:
+    """How training loops drive a segment: schedules with micro-batches in flight, a loss
+    backpropagated in parts, backward inside autocast, frozen and unfrozen parameters."""
+    _family_table(benchmark, TRAINING_LOOP_FAMILIES_BY_ITEM)
