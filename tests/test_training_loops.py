@@ -320,3 +320,14 @@ def test_a_fault_only_a_pattern_shows_is_named_by_the_pattern(
         if target is None else _checks(target)
     found, sentence, failure = diagnosed(impl, find_case(name))
     assert (found, words in sentence) == (cause, True), sentence
+
+
+def test_autocast_around_backward_is_no_carry_of_recomputed_bytes() -> None:
+    """Autocast around backward caches the weight casts each re-run makes until the block
+    ends: torch's checkpoint is still right, and its backward's peak is not held against it."""
+    from gradequiv.models import ExternalConfig
+
+    case = Case(model=ExternalConfig("user_models:residual_stack"), dtype="bf16-autocast",
+                backward_autocast=True)
+    verdict = verify("torch", case)
+    assert verdict.passed, verdict.first_failure

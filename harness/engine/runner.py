@@ -220,12 +220,13 @@ def run_path(
                 # wait here for their backward.
                 pending: dict[int, tuple[Any, Tensor]] = {}
                 n = len(batches)
-                # A retained graph keeps what the first pass re-ran for the next one, and a
-                # summed backward re-runs every micro-batch's segments in one pass: neither
-                # is a carry (and create-graph's first backward keeps the graph for the
-                # double backward's)
+                # A retained graph keeps what the first pass re-ran for the next one, a
+                # summed backward re-runs every micro-batch's segments in one pass, and
+                # autocast around backward caches the weight casts every re-run makes until
+                # the block ends: none of them is a carry (and create-graph's first backward
+                # keeps the graph for the double backward's)
                 carried = case.grad_mode != "create-graph" and case.backward_passes == 1 \
-                    and case.schedule != "summed"
+                    and case.schedule != "summed" and not case.backward_autocast
                 with made if made is not None else contextlib.nullcontext():
                     for action, k in schedule_events(case.schedule, n):
                         part = f" (micro-batch {k + 1} of {n})" if k > 0 or (
