@@ -50,6 +50,16 @@ def test_bad_arguments_are_refused_before_any_rank_starts(kwargs: dict, message:
         verify_distributed(resolve("torch"), CASE, **kwargs)
 
 
+def test_a_training_loop_it_does_not_drive_is_refused() -> None:
+    """It trains one forward and one backward per step: a schedule is never run silently
+    as something else."""
+    from dataclasses import replace
+
+    with pytest.raises(InvalidArgument, match="gpipe: the distributed property"):
+        verify_distributed(resolve("torch"), replace(CASE, schedule="gpipe",
+                                                     batch=replace(CASE.batch, batch_size=4)))
+
+
 def test_nccl_needs_one_gpu_per_rank() -> None:
     import torch
 

@@ -90,6 +90,14 @@ def verify_distributed(
         raise InvalidArgument(
             f"device='cuda' with world_size={world_size} needs {world_size} GPUs for NCCL (one "
             f"per rank); this machine has {torch.cuda.device_count()}; use device='cpu' (gloo)")
+    undriven = [*case.loop_patterns()] + ([case.grad_mode] if case.grad_mode != "backward"
+                                           else [])
+    if undriven:
+        raise InvalidArgument(
+            f"the case has {', '.join(undriven)}: the distributed property trains one forward "
+            f"and one loss.backward() per step, every parameter trained; give it a case with "
+            f"grad_mode='backward', schedule='one', backward_passes=1, "
+            f"backward_autocast=false, trainable='all'")
     if case.model_kind != TRANSFORMER:
         raise InvalidArgument(f"model_kind={case.model_kind!r}: the distributed property runs "
                               f"the transformer")
