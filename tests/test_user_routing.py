@@ -4,6 +4,7 @@ nothing or are skipped are no failure."""
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable
 from typing import Any
 
@@ -222,3 +223,35 @@ def test_gradequiv_check_passes_the_safe_user_models_and_fails_the_unsafe_one(
     with "'Tensor' object is not callable"), and passed the unsafe hook."""
     assert main(["check", "--in-process", "--impl", "torch", "--model",
                  f"user_models:{factory}", "--examples", "2"]) == status
+
+
+# -- a segment input whose gradient the two paths measure at different tensors ----------------
+
+def _gradients(verdict: Any) -> Any:
+    return next(p for p in verdict.properties if p.name == "gradients")
+
+
+def test_a_bias_passed_on_from_a_checkpointed_layer_is_evidence_and_a_real_fault_still_fails(
+        ) -> None:
+    """T5's shape under reentrant checkpoint: the first block's position bias reaches the
+    later blocks as the checkpoint's output, whose gradient has only their share; with
+    full storage it is the tensor the first block also used, and its gradient has that
+    block's share too. Every parameter's gradient agreed, and the case failed on 'grad of
+    input blocks.1:position'. The same model with the RNG state not restored still fails,
+    on its parameters."""
+    toggle = resolve("user_models:shared_bias_checkpointing", adapter="toggle")
+    for granularity in ("layer", "every:2"):
+        verdict = verify(toggle, _user_case("shared_bias_stack", granularity))
+        gradients = _gradients(verdict)
+        assert verdict.passed, gradients.summary
+        assert re.search(r"evidence, not a fault: grad of input blocks\.[12]:position: "
+                         r"relative error", gradients.summary)
+        assert all(c.mismatched == 0 for c in gradients.checks)
+        assert not any(c.name.endswith(":position") for c in gradients.checks)
+    faulty = verify(resolve("user_models:shared_bias_checkpointing_without_rng",
+                            adapter="toggle"), _user_case("shared_bias_stack"))
+    gradients = _gradients(faulty)
+    assert gradients.passed is False
+    failing = {c.name for c in gradients.checks if not c.passed}
+    assert "grad of blocks.1.linear.weight" in failing
+    assert "grad of input blocks.1:position" in failing  # a fault's evidence is no excuse

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import random
 from collections import OrderedDict
 from dataclasses import dataclass
@@ -571,6 +572,92 @@ def stack_checkpointing_unfreezing(model: nn.Module, segments: list[str]) -> Non
 
 
 stack_checkpointing_unfreezing.gradequiv_unsupported = (  # type: ignore[attr-defined]
+    "autograd-grad",)
+
+
+class SharedBiasBlock(nn.Module):
+    """Shaped like T5's block: the first computes a position bias from its own parameter,
+    adds it and returns it for the later ones; the positional arguments go through the
+    checkpoint, the keywords are bound by ``functools.partial`` (transformers'
+    ``GradientCheckpointingLayer``)."""
+
+    def __init__(self, width: int, first: bool) -> None:
+        super().__init__()
+        self.norm = nn.LayerNorm(width)
+        self.linear = nn.Linear(width, width)
+        self.dropout = nn.Dropout(0.1)
+        self.relative = nn.Parameter(torch.randn(width) / 4) if first else None
+        self.gradient_checkpointing = False
+        self.reentrant_kwargs: dict[str, Any] = {}
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        if self.gradient_checkpointing and self.training:
+            return torch.utils.checkpoint.checkpoint(
+                functools.partial(super().__call__, **kwargs), *args, use_reentrant=True,
+                **self.reentrant_kwargs)
+        return super().__call__(*args, **kwargs)
+
+    def forward(self, x: Tensor, position: Tensor | None = None, *,
+                bias: Tensor | None = None) -> tuple[Tensor, Tensor | None]:
+        if position is None and self.relative is not None:
+            position = self.relative * torch.linspace(0, 1, x.shape[-2])[:, None]
+        out = x + self.dropout(F.gelu(self.linear(self.norm(x))))
+        if position is not None:
+            out = out + position
+        return (out if bias is None else out + bias), position
+
+
+class SharedBiasStack(nn.Module):
+    """T5's shape under transformers' reentrant checkpoint: the first block's position bias
+    reaches the later blocks as a checkpoint's output (full storage: the tensor the first
+    block made and used), and a constant bias bound by keyword is marked as requiring grad
+    only when checkpointing is on."""
+
+    def __init__(self, width: int = 16, depth: int = 3) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(10, width)
+        self.blocks = nn.ModuleList(SharedBiasBlock(width, i == 0) for i in range(depth))
+        self.head = nn.Linear(width, 3)
+
+    def forward(self, tokens: Tensor) -> Tensor:
+        h = self.embed(tokens)
+        steps = torch.arange(tokens.shape[1], dtype=h.dtype)[:, None]
+        bias = torch.cos(steps / 3.0).expand(-1, h.shape[-1]).clone()
+        if self.training and any(b.gradient_checkpointing for b in self.blocks):
+            bias.requires_grad_(True)  # T5: position_bias.requires_grad = True
+        position = None
+        for block in self.blocks:
+            h, position = block(h, position, bias=bias)
+        return self.head(h.mean(1))
+
+
+def shared_bias_stack(seed: int) -> UserModel:
+    gen = torch.Generator().manual_seed(seed)
+    torch.manual_seed(seed)
+    model = SharedBiasStack()
+    tokens = torch.randint(0, 10, (4, 6), generator=gen)
+    targets = torch.randint(0, 3, (4,), generator=gen)
+    return UserModel(model, (tokens,), targets, F.cross_entropy, segments=[SharedBiasBlock],
+                     regimes=("fp32", "bf16-autocast"))  # reentrant: no torch.autograd.grad
+
+
+def shared_bias_checkpointing(model: nn.Module, **reentrant_kwargs: Any) -> None:
+    """The toggle of ``SharedBiasStack``: every block checkpointed, as transformers does."""
+    for block in model.modules():
+        if isinstance(block, SharedBiasBlock):
+            block.gradient_checkpointing = True
+            block.reentrant_kwargs = reentrant_kwargs
+
+
+shared_bias_checkpointing.gradequiv_unsupported = ("autograd-grad",)  # type: ignore[attr-defined]
+
+
+def shared_bias_checkpointing_without_rng(model: nn.Module) -> None:
+    """A faulty toggle: the re-run draws other dropout masks (no RNG state restored)."""
+    shared_bias_checkpointing(model, preserve_rng_state=False)
+
+
+shared_bias_checkpointing_without_rng.gradequiv_unsupported = (  # type: ignore[attr-defined]
     "autograd-grad",)
 
 

@@ -396,11 +396,12 @@ def _check_all(
                     [rc.params, full.params, floor.params])
 
     comparable = []
-    evidence: dict[str, list[str]] = {}  # one-sided gradients that are no fault by themselves
+    # gradients that are no fault by themselves: property -> (what was seen, why no fault)
+    evidence: dict[str, list[tuple[str, str]]] = {}
     for prop, name, a, b, c in items:
         problem = _structure_problem(name, a, b)
         if problem and _intermediate_only_here(name, a, b):
-            evidence.setdefault(prop, []).append(problem)
+            evidence.setdefault(prop, []).append((problem, ONE_SIDED))
         elif problem:
             results[prop].failures.append(problem)
         elif a is not None:
@@ -418,6 +419,10 @@ def _check_all(
                             f.rel_error, m.max_abs, m.cosine, m.mismatched, m.numel,
                             m.max_ulps, _counts(a, b), scale)
         results[prop].checks.append(check)
+    for prop in ("gradients", "trajectory"):
+        for check in _measured_elsewhere(results[prop]):
+            results[prop].checks.remove(check)
+            evidence.setdefault(prop, []).append((check.describe(), MEASURED_ELSEWHERE))
 
     if not full.steps[0].buffers:
         results["buffers"].summary = "the model has no buffers"
@@ -443,14 +448,53 @@ def _check_all(
                 result.summary = result.first_failure
             elif not result.summary:
                 result.summary = _summary(result)
-        seen = evidence.get(result.name)
-        if seen:
-            result.summary += (f"; evidence, not a fault: {seen[0]}"
-                               + (f" (and {len(seen) - 1} more)" if len(seen) > 1 else "")
-                               + ", a tensor that is neither a parameter nor a model input: "
-                                 "only the recompute path made it require grad (a toggle's "
-                                 "enable_input_require_grads, a bias marked requires_grad)")
+        seen = evidence.get(result.name, [])
+        for why in dict.fromkeys(w for _, w in seen):  # each reason once, its first example
+            said = [what for what, w in seen if w == why]
+            result.summary += (f"; evidence, not a fault: {said[0]}"
+                               + (f" (and {len(said) - 1} more)" if len(said) > 1 else "")
+                               + f", {why}")
     return [results[name] for name in PROPERTIES]
+
+
+#: Why a segment input's gradient on the recompute path only is no fault by itself.
+ONE_SIDED = ("a tensor that is neither a parameter nor a model input: only the recompute "
+             "path made it require grad (a toggle's enable_input_require_grads, a bias "
+             "marked requires_grad)")
+#: Why a segment input's gradient that differs is no fault where every leaf's agrees.
+MEASURED_ELSEWHERE = (
+    "a tensor that is neither a parameter nor a model input, and every parameter's and model "
+    "input's gradient of its step agrees: the two paths measured it at different tensors (a "
+    "reentrant checkpoint's output, with full storage the tensor an earlier segment made and "
+    "used itself, as T5's first layer does its position bias)")
+
+
+def _segment_input(name: str) -> bool:
+    """Whether a gradient check's tensor (or a structure failure's, which starts with its
+    name) is a segment's input, not a model input."""
+    label = name.partition("grad of ")[2]
+    return label.startswith("input ") and not label.startswith("input model:")
+
+
+def _measured_elsewhere(result: PropertyResult) -> list[TensorCheck]:
+    """The failing segment-input gradients of a step whose leaves all agree: a segment input's
+    gradient reaches training only through the parameters and model inputs it flows into,
+    and a tensor an earlier segment made, used and passed on is, under a reentrant
+    checkpoint, that checkpoint's output: its gradient lacks the earlier segment's own use,
+    which went straight to that segment's parameters. A wrong gradient that reaches a leaf
+    fails there, and then every failing check stays."""
+    steps: dict[str, list[TensorCheck]] = {}
+    for check in result.checks:
+        if "grad of " in check.name:
+            steps.setdefault(check.name.partition("grad of ")[0], []).append(check)
+    moved = []
+    for step, checks in steps.items():
+        leaves_differ = any(not c.passed for c in checks if not _segment_input(c.name)) or any(
+            f.startswith(f"{step}grad of ") and not _segment_input(f)
+            for f in result.failures)
+        if not leaves_differ:
+            moved += [c for c in checks if not c.passed and _segment_input(c.name)]
+    return moved
 
 
 def _scales(pairs: list[tuple[Any, Any]], equal: list[bool]) -> list[float]:
@@ -480,8 +524,7 @@ def _intermediate_only_here(name: str, rc: Any, full: Any) -> bool:
     transformers' ``enable_input_require_grads`` does). A leaf's gradient decides: the
     parameters' and model inputs' are compared on their own, so a frozen layer trained
     on the recompute path still fails."""
-    label = name.rpartition("grad of ")[2]
-    if not label.startswith("input ") or label.startswith("input model:"):
+    if not _segment_input(name):
         return False
     return rc is not None and rc is not MISSING and (full is None or full is MISSING)
 
