@@ -331,3 +331,24 @@ def test_autocast_around_backward_is_no_carry_of_recomputed_bytes() -> None:
                 backward_autocast=True)
     verdict = verify("torch", case)
     assert verdict.passed, verdict.first_failure
+
+
+@pytest.mark.slow  # four searches with shrinking: most of a minute on 2 cores
+def test_each_dimension_is_drawn_and_shrinks_off_alone() -> None:
+    """The minimal drawn case drives the plain loop; one that needs a dimension shrinks to
+    that dimension alone, on the cheapest model."""
+    from hypothesis import HealthCheck, find, settings
+
+    from gradequiv.properties.strategies import cases
+
+    quick = settings(max_examples=300, database=None, deadline=None,
+                     suppress_health_check=list(HealthCheck))
+    plain = {"schedule": "one", "backward_passes": 1, "backward_autocast": False,
+             "trainable": "all"}
+    simplest = find(cases(), lambda c: True, settings=quick)
+    assert {k: getattr(simplest, k) for k in plain} == plain
+    for field, value in (("schedule", "1f1b"), ("backward_passes", 3),
+                         ("backward_autocast", True), ("trainable", "changing")):
+        found = find(cases(), lambda c, f=field, v=value: getattr(c, f) == v, settings=quick)
+        assert {k: getattr(found, k) for k in plain} == plain | {field: value}
+        assert found.model.n_layer == 1 and not found.model.has_randomness
