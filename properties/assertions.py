@@ -125,13 +125,13 @@ def _causes(impl: Implementation, failure: dict[str, Any], verdict: Verdict,
             device: Any) -> set[str]:
     """Every cause the diagnosis gives ``failure`` (its localisation is kept for the
     report, which localises the same case)."""
-    from gradequiv.harness.reports.diagnosis import diagnose
+    from gradequiv.harness.reports.diagnosis import diagnose, fault_key
 
     found = dict(failure)
     locate(impl, found)
     diagnosis = diagnose(found, verdict_record(impl, verdict, device,
                                                reproduce=failure["reproduce"]))
-    return {diagnosis.cause, *diagnosis.also}
+    return {fault_key(f["cause"], f["sentence"]) for f in diagnosis.faults}
 
 
 def _reproduce(impl: Implementation, case: Case, device: Any) -> str:

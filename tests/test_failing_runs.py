@@ -206,3 +206,20 @@ def test_every_distinct_fault_is_in_the_headline_of_the_terminal_and_report_md()
     assert markdown[0] == "### 3 distinct faults"
     assert markdown[2] == ("1. **because rng-not-restored** (seen in minimal failure 1: case A): "
                            "`A`")
+
+
+def test_two_different_exceptions_are_two_faults_and_one_exception_is_one() -> None:
+    """"raised" is no fault of its own: the exception is. The same exception on cases of
+    other shapes (numbers in its message) stays one fault."""
+    from gradequiv.harness.reports.diagnosis import distinct_faults
+
+    def raised(test: str, reproduce: str, line: str) -> dict[str, Any]:
+        failure = _failure(test, reproduce, "raised")
+        failure["diagnosis"]["sentence"] = (f"the implementation raised during step 1 "
+                                            f"backward: {line}")
+        return failure
+
+    failures = [raised("test_gradients", "A", "RuntimeError: shape [2, 4] is invalid"),
+                raised("test_named_case[one]", "B", "RuntimeError: shape [8, 16] is invalid"),
+                raised("test_named_case[two]", "C", "KeyError: 'rng'")]
+    assert [f["reproduce"] for f in distinct_faults(failures)] == ["A", "C"]

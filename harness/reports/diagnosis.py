@@ -31,7 +31,7 @@ from typing import Any
 from gradequiv.harness.errors import exception_line
 from gradequiv.harness.implementations.resolve import BUILTINS
 
-__all__ = ["CAUSES", "Diagnosis", "diagnose", "distinct_faults"]
+__all__ = ["CAUSES", "Diagnosis", "diagnose", "distinct_faults", "fault_key"]
 
 #: Every cause a diagnosis can name.
 CAUSES = ("raised", "refuses-autograd-grad", "refuses-pattern", "in-flight-state",
@@ -691,6 +691,16 @@ def _generator(texts: list[str]) -> str:
     return f"the {names[0]} generator" if names else "a generator"
 
 
+def fault_key(cause: str, sentence: str) -> str:
+    """What tells two faults apart: the cause, and for an exception the exception (its type
+    and message, numbers left out: a shape that differs by case is the same fault), so two
+    different exceptions are two faults."""
+    if cause != "raised":
+        return cause
+    raised = sentence.split(": ", 1)[-1]
+    return f"raised: {re.sub(r'[0-9]+', 'N', raised)}"
+
+
 def distinct_faults(failures: list[dict[str, Any]]) -> list[dict[str, str]]:
     """Every distinct fault among ``failures`` (minimal failures, named cases' among them),
     most important first: the drawn minimal failures' causes in their order (each case's
@@ -717,5 +727,5 @@ def distinct_faults(failures: list[dict[str, Any]]) -> list[dict[str, str]]:
                      "reproduce": str(failure["reproduce"])}
             if failure.get("reproduce_file"):  # the short command, its case in a file
                 fault["reproduce_file"] = str(failure["reproduce_file"])
-            found.setdefault(part["cause"], fault)
+            found.setdefault(fault_key(part["cause"], part["sentence"]), fault)
     return list(found.values())
