@@ -292,3 +292,22 @@ def test_a_spec_with_two_colons_is_refused_in_one_line(
     assert err == ("gradequiv: error: --impl='os:path:join' has 2 colons; a 'module:attr' "
                    "reference has one, between the module's dotted path and the attribute: "
                    "did you mean 'os.path:join'?\n")
+
+
+@pytest.mark.parametrize("body, missing", [
+    ("from not_installed_lib.checkpointing import checkpoint\n", "not_installed_lib"),
+    ("from torch.utils.checkpoint import no_such_checkpoint\n", "no_such_checkpoint"),
+])
+@pytest.mark.parametrize("adapter", ["function", "toggle"])
+def test_an_implementation_whose_module_fails_an_import_is_exit_2_naming_it(
+        body: str, missing: str, adapter: str, tmp_path: Path,
+        monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    """The module is found and its own import fails: the line said to check that the module
+    is on PYTHONPATH, where it is."""
+    name = f"impl_failing_import_{adapter}_{missing}"
+    (tmp_path / f"{name}.py").write_text(body + "def impl(*args, **kwargs):\n    pass\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    code, _, err = check(capsys, "--impl", f"{name}:impl", "--adapter", adapter, *ONE)
+    assert code == 2, err
+    assert err.count("\n") == 1 and "PYTHONPATH" not in err
+    assert f"importing {name!r} failed inside it" in err and missing in err

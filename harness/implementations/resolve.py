@@ -127,6 +127,16 @@ def _from_reference(spec: str) -> Any:
         sys.path.insert(0, os.getcwd())
     try:
         module = importlib.import_module(module_name)
+    except ImportError as exc:
+        if not _names_the_module(exc, module_name):  # found; an import in its body failed
+            raise InvalidArgument(
+                f"--impl={spec!r}: importing {module_name!r} failed inside it: "
+                f"{type(exc).__name__}: {exc}; install what it imports, or check that "
+                f"import") from exc
+        raise InvalidArgument(
+            f"--impl={spec!r} could not be imported: {type(exc).__name__}: {exc}; check that "
+            f"{module_name!r} is on PYTHONPATH or in the current directory"
+        ) from exc
     except Exception as exc:
         raise InvalidArgument(
             f"--impl={spec!r} could not be imported: {type(exc).__name__}: {exc}; check that "
@@ -145,6 +155,14 @@ def _from_reference(spec: str) -> Any:
             f"--impl={spec!r} could not be resolved: module {module_name!r} has no attribute "
             f"{attr!r}; {fix}"
         ) from exc
+
+
+def _names_the_module(exc: ImportError, module_name: str) -> bool:
+    """Whether an import failure is the reference's module (or a package above it) not
+    being found, rather than an import its body makes failing."""
+    if not isinstance(exc, ModuleNotFoundError) or not exc.name:
+        return False
+    return module_name == exc.name or module_name.startswith(exc.name + ".")
 
 
 _DOTTED = re.compile(r"[^\W\d]\w*(\.[^\W\d]\w*)*")
