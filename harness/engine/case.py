@@ -108,12 +108,6 @@ class Case:
                 "double backward (derivative for _scaled_dot_product_flash_attention_for_cpu_"
                 "backward is not implemented); use attention='manual'"
             )
-        if (self.grad_mode == "accumulate" and isinstance(self.model, BatchNormConfig)
-                and self.batch.batch_size < 4):
-            raise InvalidArgument(
-                f"batch_size={self.batch.batch_size} with grad_mode='accumulate': BatchNorm "
-                f"needs 2 samples in each of the 2 micro-batches; use batch_size >= 4"
-            )
 
     def _check_training(self) -> None:
         """The training-loop dimensions: each a known value, and none with what it cannot
@@ -143,7 +137,7 @@ class Case:
         if isinstance(self.model, BatchNormConfig) and self.batch.batch_size < 2 * n:
             raise InvalidArgument(
                 f"batch_size={self.batch.batch_size} with {n} micro-batches: BatchNorm needs "
-                f"2 samples in each; use batch_size >= {2 * n}")
+                f"2 samples in each of the {n} micro-batches; use batch_size >= {2 * n}")
         if self.trainable == "adapters" and not (isinstance(self.model, TransformerConfig)
                                                  and self.model.value_hooks):
             raise InvalidArgument(
