@@ -2,7 +2,10 @@
 harness must not read as a fault: a buffer pool allocated once, tensors a library makes
 when its code first runs, a selective policy given through ``context_fn`` without any
 marker, a store that saves copies of matmul outputs (so in-place ops cannot reach them), a
-reentrant checkpoint that declares what it refuses. Referenced by SPEC
+reentrant checkpoint that declares what it refuses, and recomputes that keep what a call
+needs between its forward and its backward per call (a stash keyed by a token, a host
+buffer pool, detached leaves cleared per backward pass, the trainable parameters read at
+every call). Referenced by SPEC
 (``correct_impls:NAME``); pytest puts this folder on sys.path.
 
 Each is bitwise equal to full storage on the CPU; ``reset()`` drops what the first call
@@ -11,10 +14,15 @@ allocated, so a test can make any case the first one.
 
 from __future__ import annotations
 
+import contextlib
 import functools
+import weakref
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from typing import Any
 
 import torch
+from torch.utils._pytree import tree_flatten, tree_unflatten
 from torch.utils.checkpoint import (
     CheckpointPolicy,
     checkpoint,
@@ -35,6 +43,7 @@ def reset() -> None:
     """Forget what the first call allocated: the next call is a first call again."""
     _pool.clear()
     _constants.clear()
+    _FREE.clear()
 
 
 def pooled_checkpoint(function: Any, *args: Any, **kwargs: Any) -> Any:
@@ -124,3 +133,186 @@ def undeclared_reentrant_checkpoint(function: Any, *args: Any, **kwargs: Any) ->
     """The same checkpoint without the declaration: its refusal is a failure, said as one."""
     call, inputs = tensors_positional(function, args, kwargs)
     return checkpoint(call, *inputs, use_reentrant=True)
+
+
+# Correct recomputes as pipeline, offload, multi-loss and fine-tuning runtimes write them:
+# what a call keeps between its forward and its backward belongs to that call (a token only
+# its autograd context holds, a host buffer given back when that context is freed), a
+# second backward pass over the same forward finds it all again, and which parameters train
+# is read at every call.
+
+
+def _autocast_state() -> list[tuple[str, bool, torch.dtype]]:
+    """Autocast on each device type as it is now; off is a state too (a backward inside
+    an autocast block must re-run a forward that had none without it)."""
+    kinds = ["cpu", "cuda"] if torch.cuda.is_available() else ["cpu"]
+    return [(k, torch.is_autocast_enabled(k), torch.get_autocast_dtype(k)) for k in kinds]
+
+
+def _rng_state() -> tuple[torch.Tensor, list[torch.Tensor]]:
+    cuda = torch.cuda.get_rng_state_all() if torch.cuda.is_available() \
+        and torch.cuda.is_initialized() else []  # type: ignore[no-untyped-call]
+    return torch.get_rng_state(), cuda
+
+
+@contextlib.contextmanager
+def _as_in_forward(rng: tuple[torch.Tensor, list[torch.Tensor]],
+                   autocast: list[tuple[str, bool, torch.dtype]]) -> Iterator[None]:
+    """The forward's RNG and autocast state for the re-run; the caller's stream kept."""
+    cpu, cuda = rng
+    with torch.random.fork_rng(devices=list(range(len(cuda)))), contextlib.ExitStack() as stack:
+        torch.set_rng_state(cpu)
+        if cuda:
+            torch.cuda.set_rng_state_all(cuda)  # type: ignore[no-untyped-call]
+        for kind, enabled, dtype in autocast:
+            stack.enter_context(torch.autocast(kind, dtype=dtype, enabled=enabled))
+        yield
+
+
+@dataclass
+class _Call:
+    """One call of a segment: how to call it on new tensors, and where it keeps its inputs
+    (``store``: ``ctx`` saves them on the context, ``stash`` in a dict under a token only the
+    context holds, ``pool`` in host buffers); ``leaves``: detached inputs made once in forward
+    and cleared before each backward pass."""
+
+    run: Callable[[list[torch.Tensor]], Any]
+    store: str
+    params: list[torch.nn.Parameter]  # those that train at this call: Function inputs too
+    leaves: bool = False
+
+    @property
+    def n_params(self) -> int:
+        return len(self.params)
+
+
+#: The stash of calls in flight: token -> (saved inputs, RNG state, autocast state).
+_STASH: dict[object, tuple[tuple[torch.Tensor, ...], Any, Any]] = {}
+#: Free host buffers by (shape, dtype); a buffer comes back when its call's context is freed.
+_FREE: dict[tuple[torch.Size, torch.dtype], list[torch.Tensor]] = {}
+
+
+def _take_buffer(t: torch.Tensor) -> torch.Tensor:
+    free = _FREE.get((t.shape, t.dtype))
+    buffer = free.pop() if free else torch.empty(t.shape, dtype=t.dtype, device="cpu")
+    with torch.no_grad():
+        buffer.copy_(t)
+    return buffer
+
+
+def _give_back(buffers: list[torch.Tensor]) -> None:
+    for buffer in buffers:
+        _FREE.setdefault((buffer.shape, buffer.dtype), []).append(buffer)
+
+
+class _PerCallRecompute(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, call: _Call, *inputs: torch.Tensor) -> Any:
+        tensors = inputs[:len(inputs) - call.n_params]
+        ctx.call, ctx.needs = call, [t.requires_grad for t in tensors]
+        ctx.devices = [t.device for t in tensors]
+        ctx.set_materialize_grads(False)
+        state = (_rng_state(), _autocast_state())
+        out = call.run(list(tensors))
+        if call.store == "stash":
+            token = ctx.token = object()
+            _STASH[token] = (tuple(t.detach() for t in tensors), *state)
+            weakref.finalize(ctx, _STASH.pop, token, None)
+        elif call.store == "pool":
+            ctx.pooled = [_take_buffer(t) for t in tensors]
+            weakref.finalize(ctx, _give_back, ctx.pooled)
+            ctx.state = state
+        else:
+            ctx.save_for_backward(*tensors)
+            ctx.state = state
+        if call.leaves:
+            ctx.leaves = [t.detach().requires_grad_(t.requires_grad) for t in tensors]
+        return out
+
+    @staticmethod
+    def backward(ctx: Any, *grads: torch.Tensor | None) -> tuple[torch.Tensor | None, ...]:
+        call: _Call = ctx.call
+        if call.store == "stash":
+            saved, rng, autocast = _STASH[ctx.token]
+        elif call.store == "pool":
+            saved = tuple(b.to(d) for b, d in zip(ctx.pooled, ctx.devices))
+            rng, autocast = ctx.state
+        else:
+            saved, (rng, autocast) = ctx.saved_tensors, ctx.state
+        if call.leaves:
+            inputs = ctx.leaves
+            for leaf in inputs:  # this pass's gradient only, not the last pass's as well
+                leaf.grad = None
+        else:
+            inputs = [t.detach().requires_grad_(needs) for t, needs in zip(saved, ctx.needs)]
+        params = call.params
+        with _as_in_forward(rng, autocast), torch.enable_grad():
+            out = call.run(inputs)
+        outs = out if isinstance(out, tuple) else (out,)
+        pairs = [(o, g) for o, g in zip(outs, grads)
+                 if isinstance(o, torch.Tensor) and o.requires_grad and g is not None]
+        wanted = [t for t in inputs if t.requires_grad]
+        if not pairs or not (wanted or params):
+            return (None,) * (1 + len(inputs) + call.n_params)
+        tensors, incoming = [o for o, _ in pairs], [g for _, g in pairs]
+        if call.leaves:  # the reentrant way for the inputs: into the leaves' .grad, read back
+            param_grads = list(torch.autograd.grad(
+                tensors, params, incoming, allow_unused=True, retain_graph=bool(wanted))) \
+                if params else []
+            if wanted:
+                torch.autograd.backward(tensors, incoming, inputs=wanted)
+            got: list[torch.Tensor | None] = [t.grad for t in wanted]
+        else:
+            both = list(torch.autograd.grad(tensors, wanted + params, incoming,
+                                            allow_unused=True))
+            got, param_grads = both[:len(wanted)], both[len(wanted):]
+        it = iter(got)
+        input_grads = [next(it) if t.requires_grad else None for t in inputs]
+        return (None, *input_grads, *param_grads)
+
+
+def _per_call(function: Any, args: tuple[Any, ...], kwargs: dict[str, Any], store: str,
+              leaves: bool = False) -> Any:
+    """``function`` recomputed in backward; the parameters that train read now, at this
+    call (``requires_grad`` is a fact of each call: a layer frozen at one step trains at the
+    next), and a segment with nothing to train still passes gradients to its inputs."""
+    module = function if isinstance(function, torch.nn.Module) else None
+    params = [p for p in module.parameters() if p.requires_grad] if module is not None else []
+    flat, spec = tree_flatten((args, kwargs))
+    slots = [i for i, leaf in enumerate(flat) if isinstance(leaf, torch.Tensor)]
+    template = [None if isinstance(leaf, torch.Tensor) else leaf for leaf in flat]
+
+    def run(tensors: list[torch.Tensor]) -> Any:
+        filled = list(template)
+        for i, t in zip(slots, tensors):
+            filled[i] = t
+        call_args, call_kwargs = tree_unflatten(filled, spec)
+        return function(*call_args, **call_kwargs)
+
+    call = _Call(run, store, params, leaves)
+    return _PerCallRecompute.apply(call, *(flat[i] for i in slots), *params)  # type: ignore[no-untyped-call]
+
+
+def call_keyed_stash_checkpoint(function: Any, *args: Any, **kwargs: Any) -> Any:
+    """A pipeline runtime's stash: saved inputs and RNG state in a dict keyed by a token
+    that only the call's autograd context holds, dropped when that context is freed, so
+    every micro-batch in flight finds its own, and a second backward pass finds it again."""
+    return _per_call(function, args, kwargs, "stash")
+
+
+def host_pool_checkpoint(function: Any, *args: Any, **kwargs: Any) -> Any:
+    """An offloading runtime's host-buffer pool: each call's inputs copied into a free
+    buffer that comes back to the pool when the call's context is freed (not when its
+    backward starts), so four in flight and a retain_graph second pass keep theirs."""
+    return _per_call(function, args, kwargs, "pool")
+
+
+def cleared_leaves_checkpoint(function: Any, *args: Any, **kwargs: Any) -> Any:
+    """Detached input leaves made once in forward, the gradient read back from their
+    ``.grad`` as reentrant code does, cleared before each backward pass re-runs."""
+    return _per_call(function, args, kwargs, "ctx", leaves=True)
+
+
+def per_call_trainable_checkpoint(function: Any, *args: Any, **kwargs: Any) -> Any:
+    """A fine-tuning wrapper that reads the trainable parameters inside every call."""
+    return _per_call(function, args, kwargs, "ctx")
