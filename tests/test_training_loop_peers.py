@@ -25,8 +25,21 @@ PEERS = ("call_keyed_stash_checkpoint", "host_pool_checkpoint", "cleared_leaves_
          "per_call_trainable_checkpoint")
 
 
-@pytest.mark.parametrize("case_name", CASES)
-@pytest.mark.parametrize("peer", PEERS)
+#: Each peer's own family, in the default suite; every other pair in the slow sweep.
+_OWN = {"call_keyed_stash_checkpoint": ("2L-layer-gpipe-dropout", "2L-layer-1f1b-dropout"),
+        "host_pool_checkpoint": ("2L-layer-1f1b-dropout", "2L-layer-two-losses-dropout"),
+        "cleared_leaves_checkpoint": ("2L-layer-gpipe-reverse-two-losses-dropout",),
+        "per_call_trainable_checkpoint": ("2L-layer-changing-trainable-dropout",
+                                          "3L-layer-frozen-layer-dropout")}
+
+
+def _pairs() -> list[object]:
+    return [pytest.param(peer, case, id=f"{peer}-{case}",
+                         marks=() if case in _OWN[peer] else pytest.mark.slow)
+            for peer in PEERS for case in CASES]
+
+
+@pytest.mark.parametrize(("peer", "case_name"), _pairs())
 def test_the_peer_passes(peer: str, case_name: str) -> None:
     correct_impls.reset()
     impl = Implementation(peer, getattr(correct_impls, peer))
