@@ -57,12 +57,16 @@ def _tolerance(flag: str) -> Callable[[str], float]:
     return validate.as_argparse_type(validate.bound, flag)
 
 
-def _implementation_options(command: argparse.ArgumentParser) -> None:
-    """--impl, --adapter, --impl-kwarg: the same for every command that runs an implementation."""
-    command.add_argument("--impl", required=True, metavar="SPEC", help=(
+def _implementation_options(command: argparse.ArgumentParser,
+                            impl_default: str | None = None) -> None:
+    """--impl, --adapter, --impl-kwarg: the same for every command that runs an implementation
+    (``impl_default``: where the command has a sensible one, so --impl may be left out)."""
+    command.add_argument("--impl", required=impl_default is None, default=impl_default,
+                         metavar="SPEC", help=(
         f"a built-in name ({', '.join(BUILTINS)}), a compiler setting "
         "(compile-budget:X, compile-sac:POLICY, compile-torch), an entry point in "
-        "'gradequiv.implementations', or 'package.module:attr'"))
+        "'gradequiv.implementations', or 'package.module:attr'"
+        + (f" (default: {impl_default})" if impl_default else "")))
     command.add_argument("--adapter", choices=ADAPTERS, default=None,
                          help="how the implementation is called (default: function)")
     command.add_argument("--impl-kwarg", action="append", default=[], metavar="KEY=VALUE",
@@ -133,7 +137,7 @@ def build_parser() -> argparse.ArgumentParser:
                          help="write DIR/mutants.json and DIR/mutants.md")
     prof = commands.add_parser(
         "profile", help="activation memory and step time per granularity, and the frontier")
-    _implementation_options(prof)
+    _implementation_options(prof, impl_default="torch")  # torch's own checkpoint: a baseline
     prof.add_argument("--granularity", default=None, metavar="LIST", help=(
         "comma-separated (default: none,layer,every:2,group:2,attention,mlp; with --model: "
         "none,layer,every:2, and its segments by name joined by '+', e.g. blocks.0+blocks.2)"))
@@ -159,6 +163,10 @@ def build_parser() -> argparse.ArgumentParser:
     prof.add_argument("--warmup", type=_seconds("--warmup"), default=3,
                       help="untimed steps per granularity first (default 3; 0: none)")
     prof.add_argument("--device", choices=DEVICES, default="auto")
+    prof.add_argument("--threads", default=None, metavar="N|auto",
+                      help="torch's intra-op threads while measuring (default 1, or "
+                           "GRADEQUIV_THREADS, as for check): step times at torch's default "
+                           "swing with whatever else runs; auto: torch's default")
     prof.add_argument("--report-dir", type=Path, default=None, metavar="DIR",
                       help="write DIR/profile.json, profile.md and profile.png")
     dist = commands.add_parser(

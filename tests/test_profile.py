@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 
 from gradequiv.harness import Case, Implementation, resolve
 from gradequiv.harness.cli import main
@@ -97,6 +98,8 @@ def test_the_command_writes_json_markdown_and_a_png(tmp_path: Path,
     (["--granularity", "layers"], "granularity='layers' is not one of"),
     (["--granularity", ","], "names none"),
     (["--heads", "3"], "not divisible by n_head=3"),
+    (["--threads", "lots"], "--threads='lots' is not a thread count"),
+    (["--threads", "0"], "--threads=0: must be from 1 to"),
 ])
 def test_bad_profile_options_are_exit_2(args: list[str], message: str,
                                         capsys: pytest.CaptureFixture[str]) -> None:
@@ -469,3 +472,43 @@ def test_the_knee_is_told_per_kib_where_the_steps_save_less_than_a_mib() -> None
     assert rec["knee"] == "every:2"
     assert "0.12 ms of step time per KiB of peak saved" in rec["why"]
     assert "1.75 ms per KiB, 14.00x as much" in rec["why"]
+
+
+TINY_REPORT = [*TINY, "--steps", "1", "--warmup", "0"]
+
+
+def test_impl_defaults_to_torch(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """A first profile needs no implementation named: torch's own checkpoint is measured."""
+    args = [a for a in TINY_REPORT if a not in ("--impl", "torch")]
+    assert main([*args, "--report-dir", str(tmp_path)]) == 0, capsys.readouterr().err
+    assert capsys.readouterr().out.startswith("gradequiv profile: torch on ")
+    assert json.loads((tmp_path / "profile.json").read_text())["implementation"] == "torch"
+
+
+@pytest.mark.parametrize("args, env, measured, said", [
+    ([], None, 1, "1 thread (--threads 1)"),  # the default, whatever torch had
+    ([], "3", 3, "3 threads (--threads 3)"),  # a CI job's setting
+    (["--threads", "3"], "1", 3, "3 threads (--threads 3)"),  # the flag over the variable
+    (["--threads", "auto"], None, 2, "2 threads (--threads auto)"),  # torch's, left alone
+])
+def test_profile_measures_under_threads_as_check_does_and_puts_them_back(
+        args: list[str], env: str | None, measured: int, said: str, tmp_path: Path,
+        monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    """Step times at torch's default threads swing with whatever else runs on the cores;
+    the count measured under is in the header and in the conditions, and the caller's
+    count is back afterwards."""
+    if env is None:
+        monkeypatch.delenv("GRADEQUIV_THREADS", raising=False)
+    else:
+        monkeypatch.setenv("GRADEQUIV_THREADS", env)
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)  # the caller's: not the default, so a run that keeps it shows
+    try:
+        assert main([*TINY_REPORT, *args, "--report-dir", str(tmp_path)]) == 0
+        assert torch.get_num_threads() == 2
+    finally:
+        torch.set_num_threads(before)
+    assert said in capsys.readouterr().out.splitlines()[0]
+    assert json.loads((tmp_path / "profile.json").read_text())["conditions"]["threads"] \
+        == measured
+

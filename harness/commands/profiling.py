@@ -503,7 +503,22 @@ def plot(result: ProfileResult, path: Path) -> str | None:
 
 def run(args: Any) -> int:
     """The profile command: measure, print the table and the recommendation, write
-    DIR/profile.json (+ .md, .png)."""
+    DIR/profile.json (+ .md, .png).
+
+    torch's intra-op threads are set as ``check`` sets them (``--threads``, else
+    GRADEQUIV_THREADS, else 1) before the first model is built, and put back after.
+    """
+    from gradequiv.harness.cli import _threads
+    from gradequiv.harness.commands.check import torch_threads
+    from gradequiv.harness.validate import threads
+
+    count = threads("--threads", _threads(args.threads))
+    with torch_threads(count):
+        return _measure(args, count)
+
+
+def _measure(args: Any, threads: int | None) -> int:
+    """The profile command under its thread count (None: torch's default)."""
     from gradequiv.harness.commands.check import check_model
     from gradequiv.harness.engine.devices import resolve_device
     from gradequiv.harness.implementations.resolve import resolve
@@ -536,8 +551,10 @@ def run(args: Any) -> int:
                                   max_seq_len=args.seq_len, **rates)
         case = Case(model=model, batch=BatchConfig(args.batch, args.seq_len, padding=False),
                     dtype=args.dtype, name="profile")
+    count = torch.get_num_threads()
     print(f"gradequiv profile: {impl.spec} on {device}, {case.describe()}, "
-          f"{len(granularities)} granularities x {args.steps} steps", flush=True)
+          f"{len(granularities)} granularities x {args.steps} steps, {count} "
+          f"thread{'s' if count != 1 else ''} (--threads {threads or 'auto'})", flush=True)
     result = profile(impl, case, granularities, steps=args.steps, warmup=args.warmup,
                      device=device, progress=lambda line: print(line, flush=True),
                      memory_budget=options.memory_budget)
