@@ -474,6 +474,13 @@ def test_the_knee_is_told_per_kib_where_the_steps_save_less_than_a_mib() -> None
     assert "1.75 ms per KiB, 14.00x as much" in rec["why"]
 
 
+def test_the_budget_verdict_states_the_rate_in_the_profiles_unit() -> None:
+    """The knee's walk says per MiB; the budget's rate stays in tokens (or samples)/s."""
+    rows = [_row("none", 10, 16 * MIB), _row("every:2", 14, 8 * MIB), _row("layer", 16, 4 * MIB)]
+    verdict = profiling.recommend(rows, batch=4, memory_budget=40 * MIB)["verdict"]
+    assert "62 tokens/s as measured" in verdict and "MiB/s" not in verdict
+
+
 TINY_REPORT = [*TINY, "--steps", "1", "--warmup", "0"]
 
 

@@ -419,16 +419,16 @@ def recommend(rows: list[GranularityProfile], *, batch: int, unit: str = "tokens
             saved_so_far = peak_bytes(start) - peak_bytes(before)
             step_saved = peak_bytes(before) - peak_bytes(after)
             # per MiB, or per KiB where the steps are that small (a test model's)
-            unit, size = (("MiB", 2**20) if min(saved_so_far, step_saved) >= 2**20
-                          else ("KiB", 2**10))
+            per, size = (("MiB", 2**20) if min(saved_so_far, step_saved) >= 2**20
+                         else ("KiB", 2**10))
             so_far = (_ms_per(before.step_s["p50"] - start.step_s["p50"], saved_so_far, size)
                       if before is not start else None)
             this = _ms_per(after.step_s["p50"] - before.step_s["p50"], step_saved, size)
             if so_far is not None and this > KNEE_FACTOR * so_far:
                 knee = before
                 why = (f"reaching it from {start.granularity} costs {so_far:.2f} ms of step time "
-                       f"per {unit} of peak saved; going on to {after.granularity} costs "
-                       f"{this:.2f} ms per {unit}, "
+                       f"per {per} of peak saved; going on to {after.granularity} costs "
+                       f"{this:.2f} ms per {per}, "
                        f"{this / so_far if so_far else float('inf'):.2f}x as much (more than "
                        f"{KNEE_FACTOR:g}x is clearly more)")
                 break
