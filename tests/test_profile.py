@@ -519,3 +519,73 @@ def test_profile_measures_under_threads_as_check_does_and_puts_them_back(
     assert json.loads((tmp_path / "profile.json").read_text())["conditions"]["threads"] \
         == measured
 
+
+def _timed(name: str, ms: float, spread: float, held: int) -> profiling.GranularityProfile:
+    """A row whose middle half of steps took ``ms`` +- ``spread`` milliseconds."""
+    row = _row(name, ms, held)
+    row.step_s |= {"p25": (ms - spread) / 1e3, "p75": (ms + spread) / 1e3}
+    return row
+
+
+def _on_frontier(rows: list[profiling.GranularityProfile]) -> list[profiling.GranularityProfile]:
+    points = [(profiling.peak_bytes(r), r.step_s["p50"]) for r in rows]
+    for row, on in zip(rows, pareto_frontier(points)):
+        row.on_frontier = on
+    return rows
+
+
+def test_rows_within_noise_are_tied_and_the_one_saving_more_memory_is_recommended() -> None:
+    """By p50 every:2 is the knee (the step on to layer costs 6x the time per byte), but
+    their middle halves of steps overlap: tied, not ranked, and layer saves more. A rerun
+    that swaps their p50s inside the same noise recommends the same."""
+    rows = _on_frontier([_timed("none", 10.0, 0.02, 16 * MIB),
+                         _timed("every:2", 10.2, 0.1, 8 * MIB),
+                         _timed("layer", 10.8, 0.6, 4 * MIB)])
+    rec = profiling.recommend(rows, batch=4)
+    assert rec["knee"] == "layer" and rec["tied"] == ["every:2", "layer"]
+    assert rec["why"].startswith("every:2 and layer are tied within noise (step-time "
+                                 "interquartile ranges overlap: every:2 10.1-10.3 ms, layer "
+                                 "10.2-11.4 ms)")
+    assert "the one saving more memory is recommended, layer" in rec["why"]
+    assert "by p50 alone the knee is every:2" in rec["why"]
+    assert "tied with it within noise" in rec["rule"]
+    swapped = _on_frontier([_timed("none", 10.0, 0.02, 16 * MIB),
+                            _timed("every:2", 10.8, 0.6, 8 * MIB),
+                            _timed("layer", 10.2, 0.1, 4 * MIB)])
+    assert profiling.recommend(swapped, batch=4)["knee"] == "layer"
+    # the same p50s, measured with less spread: a real difference, ranked as before
+    apart = _on_frontier([_timed("none", 10.0, 0.02, 16 * MIB),
+                          _timed("every:2", 10.2, 0.1, 8 * MIB),
+                          _timed("layer", 10.8, 0.2, 4 * MIB)])
+    rec = profiling.recommend(apart, batch=4)
+    assert rec["knee"] == "every:2" and rec["tied"] == [] and "tied" not in rec["why"]
+
+
+def test_tied_rows_with_equal_peaks_go_to_the_first_listed_whatever_their_times() -> None:
+    for attention_ms, mlp_ms in ((20.0, 20.4), (20.4, 20.0)):
+        rows = _on_frontier([_timed("none", 10.0, 0.1, 16 * MIB),
+                             _timed("attention", attention_ms, 1.0, 4 * MIB),
+                             _timed("mlp", mlp_ms, 1.0, 4 * MIB)])
+        rec = profiling.recommend(rows, batch=4)
+        assert (rec["knee"], rec["tied"]) == ("attention", ["attention", "mlp"])
+
+
+def test_a_budget_recommends_the_smaller_peak_of_rows_tied_for_the_fastest_that_fits() -> None:
+    rows = _on_frontier([_timed("none", 10.0, 0.1, 16 * MIB),
+                         _timed("every:2", 14.0, 1.0, 8 * MIB),
+                         _timed("layer", 14.5, 1.0, 4 * MIB)])
+    rec = profiling.recommend(rows, batch=4, memory_budget=9 * MIB)
+    assert rec["fastest_fitting"] == "layer"
+    assert rec["fastest_fitting_tied"] == ["every:2", "layer"]
+    assert rec["verdict"].startswith(f"layer is, within noise, the fastest granularity that "
+                                     f"fits {9 * MIB:,} bytes: every:2 and layer are tied")
+
+
+def test_the_command_writes_each_rows_quartiles_and_the_ties(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main([*TINY, "--report-dir", str(tmp_path)]) == 0
+    data = json.loads((tmp_path / "profile.json").read_text())
+    for row in data["rows"]:
+        s = row["step_s"]
+        assert s["p25"] <= s["p50"] <= s["p75"] <= s["p99"]
+    assert isinstance(data["recommendation"]["tied"], list)

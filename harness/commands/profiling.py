@@ -12,7 +12,10 @@ A user's model (``--model``) is profiled the same way; its granularities are its
 own segments: every one (``layer``), every k-th (``every:K``) or any set of them
 by name (``blocks.0+blocks.2``). The recommendation reads the frontier
 (:func:`recommend`): its knee, and with a memory budget the fastest granularity
-that fits and the largest batch each one could run within it.
+that fits and the largest batch each one could run within it. Byte counts are
+exact and the same every run; step times are not, so rows whose times are
+within the measured noise (:func:`within_noise`) are tied, and memory decides
+between them.
 """
 
 from __future__ import annotations
@@ -81,7 +84,7 @@ class GranularityProfile:
     granularity: str
     held_bytes: int  # activation bytes alive between forward and backward
     peak_backward_bytes: int  # the most alive at once during backward, recomputed ones included
-    step_s: dict[str, float]  # p50, p95, p99 of forward + backward + optimizer step
+    step_s: dict[str, float]  # p50, p95, p99 (and p25, p75) of forward + backward + optimizer
     forward_s: float  # p50
     backward_s: float  # p50, with the optimizer step
     tokens_per_s: float  # at the p50 step time (samples for a user's model: conditions' unit)
@@ -120,6 +123,14 @@ def percentiles(values: list[float]) -> dict[str, float]:
         return {"p50": values[0], "p95": values[0], "p99": values[0]}
     cuts = statistics.quantiles(values, n=100, method="inclusive")
     return {"p50": statistics.median(values), "p95": cuts[94], "p99": cuts[98]}
+
+
+def quartiles(values: list[float]) -> dict[str, float]:
+    """p25 and p75: the band the middle half of the steps fell in, the noise of a row."""
+    if len(values) == 1:
+        return {"p25": values[0], "p75": values[0]}
+    cuts = statistics.quantiles(values, n=4, method="inclusive")
+    return {"p25": cuts[0], "p75": cuts[2]}
 
 
 def pareto_frontier(points: list[tuple[float, float]]) -> list[bool]:
@@ -342,7 +353,7 @@ def profile(
     rows = []
     for g, runner, figures in zip(granularities, runners, memory):
         totals = [f + b for f, b in zip(runner.forward_s, runner.backward_s)]
-        step = percentiles(totals)
+        step = percentiles(totals) | quartiles(totals)
         rows.append(GranularityProfile(
             granularity=str(g), step_s=step, **figures,  # type: ignore[arg-type]
             forward_s=statistics.median(runner.forward_s),
@@ -394,6 +405,48 @@ def peak_bytes(row: GranularityProfile) -> int:
     return max(row.held_bytes, row.peak_backward_bytes)
 
 
+def within_noise(a: GranularityProfile, b: GranularityProfile) -> bool:
+    """Whether two rows' step times are tied: their interquartile ranges overlap.
+
+    Steps are interleaved round by round, so the spread of a row's timed steps is the
+    noise every row saw; a p50 difference inside it is one a rerun can reverse. A row
+    without quartiles (one timed step, an older file) is its p50 alone.
+    """
+    (a25, a75), (b25, b75) = _band(a), _band(b)
+    return a25 <= b75 and b25 <= a75
+
+
+def _band(row: GranularityProfile) -> tuple[float, float]:
+    p50 = row.step_s["p50"]
+    return row.step_s.get("p25", p50), row.step_s.get("p75", p50)
+
+
+def least_memory_among_tied(
+        best: GranularityProfile, candidates: list[GranularityProfile],
+) -> tuple[GranularityProfile, list[GranularityProfile]]:
+    """The row to recommend in ``best``'s place, and the candidates tied with it (``best``
+    included, in the candidates' order; ``best`` alone when none is).
+
+    Among tied rows time ranks nothing, so the smallest :func:`peak_bytes` wins, and
+    equal peaks go to the earlier candidate: the same rows give the same pick every run.
+    """
+    tied = [r for r in candidates if r is best or within_noise(r, best)]
+    order = {id(r): k for k, r in enumerate(candidates)}
+    return min(tied, key=lambda r: (peak_bytes(r), order[id(r)])), tied
+
+
+def _tie_sentence(pick: GranularityProfile, tied: list[GranularityProfile]) -> str:
+    """Which rows are tied, on what evidence, and which one memory picks."""
+    names = [r.granularity for r in tied]
+    listed = " and ".join(names) if len(names) < 3 else f"{', '.join(names[:-1])} and {names[-1]}"
+    bands = ", ".join(f"{r.granularity} {_band(r)[0] * 1e3:.1f}-{_band(r)[1] * 1e3:.1f} ms"
+                      for r in tied)
+    most = "more" if len(tied) == 2 else "the most"
+    return (f"{listed} are tied within noise (step-time interquartile ranges overlap: "
+            f"{bands}), so time does not rank them and the one saving {most} memory is "
+            f"recommended, {pick.granularity}, peak {peak_bytes(pick):,} bytes")
+
+
 def recommend(rows: list[GranularityProfile], *, batch: int, unit: str = "tokens",
               memory_budget: int | None = None) -> dict[str, Any]:
     """The frontier's knee, and with ``memory_budget`` what fits it.
@@ -402,9 +455,12 @@ def recommend(rows: list[GranularityProfile], *, batch: int, unit: str = "tokens
     fastest point towards less memory; the knee
     is the last point before a step whose time per byte saved is more than
     ``KNEE_FACTOR`` times that of all the steps before it together (or the last point,
-    when no step is). With a budget: the fastest granularity whose peak fits, and per
-    granularity the largest batch whose peak would fit (activation bytes grow with the
-    batch, so the measured peak per sample times the batch), with its rate as measured.
+    when no step is). Rows tied with it in time (:func:`within_noise`) are not ranked
+    by time: the one with the smallest peak is recommended (``knee``), and ``tied`` names
+    them. With a budget: the fastest granularity whose peak fits (the same tie rule
+    among the fitting rows), and per granularity the largest batch whose peak
+    would fit (activation bytes grow with the batch, so the measured peak per sample
+    times the batch), with its rate as measured.
     """
     frontier = sorted((r for r in rows if r.on_frontier),
                       key=lambda r: (r.step_s["p50"], -peak_bytes(r)))
@@ -432,16 +488,29 @@ def recommend(rows: list[GranularityProfile], *, batch: int, unit: str = "tokens
                        f"{this / so_far if so_far else float('inf'):.2f}x as much (more than "
                        f"{KNEE_FACTOR:g}x is clearly more)")
                 break
+    pick, tied = least_memory_among_tied(knee, rows)
+    if len(tied) > 1:
+        why = _tie_sentence(pick, tied) + (
+            f"; {why}" if pick is knee else f"; by p50 alone the knee is {knee.granularity}: "
+                                            f"{why}")
     result: dict[str, Any] = {
         "rule": (f"the knee: along the frontier (peak activation bytes against p50 step "
                  f"time) from its fastest point, the last granularity before a step whose "
                  f"step time per byte of peak saved is more than {KNEE_FACTOR:g}x that of the "
-                 f"steps before it together"),
-        "knee": knee.granularity, "why": why, "memory_budget": memory_budget}
+                 f"steps before it together; granularities whose step-time interquartile "
+                 f"ranges overlap the knee's are tied with it within noise, and of those the "
+                 f"one with the smallest peak is recommended (the first listed where peaks "
+                 f"are equal)"),
+        "knee": pick.granularity, "why": why,
+        "tied": [r.granularity for r in tied] if len(tied) > 1 else [],
+        "memory_budget": memory_budget}
     if memory_budget is None:
         return result
     fitting = [r for r in rows if peak_bytes(r) <= memory_budget]
     fastest = min(fitting, key=lambda r: r.step_s["p50"]) if fitting else None
+    tied_fitting: list[GranularityProfile] = []
+    if fastest is not None:
+        fastest, tied_fitting = least_memory_among_tied(fastest, fitting)
     largest = []
     for r in rows:
         per_sample = peak_bytes(r) / batch if batch else float(peak_bytes(r))
@@ -449,10 +518,14 @@ def recommend(rows: list[GranularityProfile], *, batch: int, unit: str = "tokens
         largest.append({"granularity": r.granularity, "peak_bytes": peak_bytes(r),
                         "fits": peak_bytes(r) <= memory_budget, "largest_batch": most,
                         "per_s": r.tokens_per_s})
+    tie = (_tie_sentence(fastest, tied_fitting)
+           if fastest is not None and len(tied_fitting) > 1 else "")
+    verdict = _budget_verdict(rows, fastest, largest, memory_budget, batch, unit, tie)
     result.update(fits=[r.granularity for r in fitting],
                   fastest_fitting=None if fastest is None else fastest.granularity,
-                  largest_batch=largest, verdict=_budget_verdict(rows, fastest, largest,
-                                                                 memory_budget, batch, unit))
+                  fastest_fitting_tied=[r.granularity for r in tied_fitting]
+                  if len(tied_fitting) > 1 else [],
+                  largest_batch=largest, verdict=verdict)
     return result
 
 
@@ -463,8 +536,9 @@ def _ms_per(seconds: float, saved_bytes: int, size: int) -> float:
 
 def _budget_verdict(rows: list[GranularityProfile], fastest: GranularityProfile | None,
                     largest: list[dict[str, Any]], budget: int, batch: int,
-                    unit: str) -> str:
-    """One plain sentence: what fits, and whether recompute buys a larger batch."""
+                    unit: str, tie: str = "") -> str:
+    """One plain sentence: what fits, and whether recompute buys a larger batch (``tie``:
+    which fitting rows are tied for the fastest, and why ``fastest`` of them)."""
     if fastest is None:
         least = min(rows, key=peak_bytes)
         most = next(x["largest_batch"] for x in largest if x["granularity"] == least.granularity)
@@ -474,7 +548,9 @@ def _budget_verdict(rows: list[GranularityProfile], fastest: GranularityProfile 
                                                  "needs more)"))
     base = next((x for x in largest if x["granularity"] == "none"), None)
     best = max(largest, key=lambda x: x["largest_batch"] or 0)
-    text = f"{fastest.granularity} is the fastest granularity that fits {budget:,} bytes"
+    text = (f"{fastest.granularity} is, within noise, the fastest granularity that fits "
+            f"{budget:,} bytes: {tie}" if tie else
+            f"{fastest.granularity} is the fastest granularity that fits {budget:,} bytes")
     if fastest.granularity == "none":
         text += f", so recompute is not needed at batch {batch}"
     if base is not None and best["granularity"] != "none" and \
