@@ -56,9 +56,9 @@ def mutants_table(mutants: dict[str, Any]) -> Table:
 def profile_summary(profile: dict[str, Any]) -> str:
     """What was profiled, and under which conditions."""
     c = profile["conditions"]
+    threads = f"{c['threads']} thread{'s' * (c['threads'] != 1)}"
     return (f"Profile of {profile['implementation']}: {c['shape']}; torch {c['torch']}, "
-            f"{c['device']}, {c['threads']} threads, {c['steps']} steps after {c['warmup']} "
-            f"warm-up")
+            f"{c['device']}, {threads}, {c['steps']} steps after {c['warmup']} warm-up")
 
 
 def profile_tables(profile: dict[str, Any]) -> list[tuple[str, Table]]:
