@@ -293,14 +293,7 @@ def options_from_args(args: argparse.Namespace) -> CheckOptions:
         report_dir=args.report_dir, case=args.case, rtol=args.rtol, atol=args.atol,
         shrink=not args.no_shrink, shrink_budget=args.shrink_budget,
         shard=args.shard or (1, 1), model=args.model, deterministic=args.deterministic,
-        threads=_threads(args.threads))
-
-
-def _threads(given: str | None) -> Any:
-    """--threads, else GRADEQUIV_THREADS (a CI job's setting), else 1."""
-    if given is not None:
-        return given
-    return validate.threads("GRADEQUIV_THREADS", os.environ.get("GRADEQUIV_THREADS", "1"))
+        threads=validate.threads_given(args.threads))
 
 
 @contextlib.contextmanager

@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import ast
 import math
+import os
 from collections.abc import Callable, Iterable
 from typing import Any, TypeVar
 
@@ -25,6 +26,7 @@ __all__ = [
     "seed",
     "shard",
     "threads",
+    "threads_given",
     "whole_number",
 ]
 
@@ -121,6 +123,14 @@ def threads(name: str, value: Any) -> int | None:
         raise InvalidArgument(f"{name}={count}: must be from 1 to {MAX_THREADS}, or auto for "
                               f"torch's default; write e.g. {example}")
     return count
+
+
+def threads_given(given: str | None) -> Any:
+    """--threads, else GRADEQUIV_THREADS (a CI job's setting), else 1: the value for
+    :func:`threads`, for every command that runs torch."""
+    if given is not None:
+        return given
+    return threads("GRADEQUIV_THREADS", os.environ.get("GRADEQUIV_THREADS", "1"))
 
 
 def choice(name: str, value: Any, choices: Iterable[str]) -> str:

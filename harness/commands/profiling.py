@@ -584,11 +584,10 @@ def run(args: Any) -> int:
     torch's intra-op threads are set as ``check`` sets them (``--threads``, else
     GRADEQUIV_THREADS, else 1) before the first model is built, and put back after.
     """
-    from gradequiv.harness.cli import _threads
     from gradequiv.harness.commands.check import torch_threads
-    from gradequiv.harness.validate import threads
+    from gradequiv.harness.validate import threads, threads_given
 
-    count = threads("--threads", _threads(args.threads))
+    count = threads("--threads", threads_given(args.threads))
     with torch_threads(count):
         return _measure(args, count)
 
