@@ -177,9 +177,17 @@ def grad_modes(modes: tuple[str, ...] = GRAD_MODES) -> st.SearchStrategy[str]:
     return st.sampled_from([m for m in GRAD_MODES if m in modes])
 
 
-#: The share of drawn cases off each training-loop dimension's plain value: one in four has
-#: a schedule, one in four a loss in parts, and so on, so that a failure shrinks them off.
+#: Of every _OFF + 1 drawn cases, _OFF have a training-loop dimension at its plain value:
+#: one in four has a schedule, one in four a loss in parts, and so on (a schedule costs its
+#: 4 or 6 micro-batches), and a failure shrinks them off.
 _OFF = 3
+
+
+def _one_in_four(plain: Any, others: tuple[Any, ...]) -> st.SearchStrategy[Any]:
+    """``plain`` in _OFF draws of _OFF + 1, else one of ``others``; both draws made always,
+    so the choices keep their places while shrinking; shrinks towards ``plain``."""
+    return st.tuples(st.integers(0, _OFF), st.sampled_from(others)).map(
+        lambda drawn: drawn[1] if drawn[0] == _OFF else plain)
 
 
 @st.composite
@@ -195,13 +203,13 @@ def training_loops(draw: st.DrawFn, *, mode: str = "backward", dtype: str = "fp3
     # Every choice is drawn whatever the others are, and one that cannot be is taken as off:
     # the draws keep their places while shrinking changes what came before them.
     plain = mode in ("backward", "autograd-grad")
-    schedule = draw(st.sampled_from(("one",) * _OFF + SCHEDULES[1:]))
-    passes = draw(st.sampled_from((1,) * _OFF + (2, 3)))
-    chosen = draw(st.sampled_from(("all",) * _OFF + TRAINABLE[1:]))
+    schedule = draw(_one_in_four("one", SCHEDULES[1:]))
+    passes = draw(_one_in_four(1, (2, 3)))
+    chosen = draw(_one_in_four("all", TRAINABLE[1:]))
     loop: dict[str, Any] = {
         "schedule": schedule if plain and schedule in schedules else "one",
         "backward_passes": passes if mode != "create-graph" else 1,
-        "backward_autocast": draw(st.sampled_from((False,) * _OFF + (True,))),
+        "backward_autocast": draw(_one_in_four(False, (True,))),
         "trainable": chosen if chosen in trainable else "all",
     }
     if not dtype.endswith("-autocast") and dtype != "fp32":
