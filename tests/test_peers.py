@@ -8,6 +8,7 @@ ones docs/implementations.md reports (failures included: an adapter that
 from __future__ import annotations
 
 import importlib.util
+from dataclasses import replace
 
 import pytest
 import torch
@@ -180,3 +181,22 @@ def test_hf_without_a_transformers_model_is_exit_2(capsys: pytest.CaptureFixture
 
     assert main(["check", "--in-process", "--impl", "hf"]) == 2
     assert "add --model gradequiv.models.hf:llama" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("spec", ["fairscale", "deepspeed", "deepspeed-nonreentrant"])
+def test_library_checkpoints_re_run_under_backward_s_autocast(spec: str) -> None:
+    """A backward inside an autocast block, around an fp32 forward: fairscale's and
+    DeepSpeed's checkpoints re-enter the forward's autocast only where it was on, so the
+    re-run runs in bf16 (relative errors near 1e-2); plain fp32 backward is exact."""
+    needs("fairscale" if spec == "fairscale" else "deepspeed")
+    case = find_case("2L-layer-fp32-backward-autocast-dropout")
+    assert bitwise_pass(verify(spec, replace(case, backward_autocast=False)))
+    assert "gradients" in failing(verify(spec, case))
+
+
+def test_deepspeed_cannot_backpropagate_a_forward_twice() -> None:
+    """Its reentrant checkpoint drops what it saved in the first backward pass: a loss
+    backpropagated in parts (retain_graph=True) raises in the second."""
+    needs("deepspeed")
+    verdict = verify("deepspeed", find_case("2L-layer-two-losses-dropout"))
+    assert verdict.error is not None and "NoneType" in verdict.error
