@@ -7,9 +7,10 @@ among the reference models by the same names.
 
 from __future__ import annotations
 
-__all__ = ["BACKWARD_AUTOCAST", "BATCHNORM", "CASE_FEATURES", "DRAWN_MODELS", "DTYPES",
-           "EXTERNAL", "GRAD_MODES", "INPLACE_OPS", "MODEL_KINDS", "OPT_IN_GRAD_MODES",
-           "RETAIN_GRAPH", "SCHEDULES", "SCHEDULE_MICRO_BATCHES", "TRAINABLE", "TRANSFORMER"]
+__all__ = ["ACCUMULATED_MICRO_BATCHES", "BACKWARD_AUTOCAST", "BATCHNORM", "CASE_FEATURES",
+           "DRAWN_MODELS", "DTYPES", "EXTERNAL", "GRAD_MODES", "INPLACE_OPS", "MODEL_KINDS",
+           "OPT_IN_GRAD_MODES", "RETAIN_GRAPH", "SCHEDULES", "SCHEDULE_MICRO_BATCHES", "TRAINABLE",
+           "TRANSFORMER"]
 
 TRANSFORMER = "transformer"  # the reference transformer (models/transformer.py)
 BATCHNORM = "batchnorm"  # the BatchNorm MLP of the buffers property (models/batchnorm.py)
@@ -48,6 +49,8 @@ INPLACE_OPS = "inplace-ops"
 #: forward after each backward); ``summed`` (every forward, one backward of the summed loss,
 #: as data-parallel code often does).
 SCHEDULES = ("one", "gpipe", "gpipe-reverse", "1f1b", "summed")
+#: Micro-batches per optimizer step under ``accumulate`` (with the schedule ``one``).
+ACCUMULATED_MICRO_BATCHES = 2
 #: Micro-batches per optimizer step under each schedule but ``one``.
 SCHEDULE_MICRO_BATCHES = {"gpipe": 4, "gpipe-reverse": 4, "1f1b": 6, "summed": 4}
 #: Several backward passes over one forward (``backward_passes`` > 1): the loss split in parts

@@ -25,6 +25,7 @@ from gradequiv.models import (
     parse_granularity,
 )
 from gradequiv.models.kinds import (
+    ACCUMULATED_MICRO_BATCHES,
     BACKWARD_AUTOCAST,
     BATCHNORM,
     EXTERNAL,
@@ -164,7 +165,7 @@ class Case:
         """Micro-batches per optimizer step: the schedule's, 2 under ``accumulate``, else 1."""
         if self.schedule != "one":
             return SCHEDULE_MICRO_BATCHES[self.schedule]
-        return 2 if self.grad_mode == "accumulate" else 1
+        return ACCUMULATED_MICRO_BATCHES if self.grad_mode == "accumulate" else 1
 
     @property
     def model_kind(self) -> str:

@@ -20,13 +20,14 @@ from torch import Tensor
 from gradequiv.harness.engine.case import Case
 from gradequiv.harness.implementations.adapters import Implementation
 from gradequiv.models import Segment, Workload, build
+from gradequiv.models.kinds import ACCUMULATED_MICRO_BATCHES
 from gradequiv.models.segments import RoutedModel
 
 __all__ = ["ADAPTER_PARAMETERS", "MICRO_BATCHES", "PreparedPath", "build_path", "micro_batches",
            "prepare", "seed_training_stream", "training_seed"]
 
 #: Micro-batches accumulated per optimizer step when a case asks for accumulation.
-MICRO_BATCHES = 2
+MICRO_BATCHES = ACCUMULATED_MICRO_BATCHES
 
 
 def training_seed(case: Case) -> int:

@@ -30,6 +30,7 @@ from typing import Any
 
 from gradequiv.harness.errors import exception_line
 from gradequiv.harness.implementations.resolve import BUILTINS
+from gradequiv.models.kinds import SCHEDULE_MICRO_BATCHES
 
 __all__ = ["CAUSES", "Diagnosis", "diagnose", "distinct_faults", "fault_key"]
 
@@ -537,8 +538,8 @@ def _needs_pattern(patterns: list[str], case: dict[str, Any]) -> tuple[str, str]
     """The cause of a failure the case's training-loop patterns alone show (the property
     holds with them off: ``needs_pattern``)."""
     first = patterns[0]
-    if first in _PATTERN_WORDS and first != "retain-graph":
-        n = {"gpipe": 4, "gpipe-reverse": 4, "1f1b": 6, "summed": 4}.get(first, 2)
+    if first in SCHEDULE_MICRO_BATCHES:
+        n = SCHEDULE_MICRO_BATCHES[first]
         return "in-flight-state", (
             f"the case passes with each micro-batch's backward right after its forward and "
             f"fails with {n} micro-batches in flight ({first}): what the implementation keeps "
