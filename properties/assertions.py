@@ -12,6 +12,7 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
+import torch
 from hypothesis import currently_in_test_context, event, reject, target
 
 from gradequiv.harness import Case, Implementation, Verdict, verify
@@ -174,6 +175,8 @@ def locate(impl: Implementation, failure: dict[str, Any]) -> None:
         located[key] = localise(impl, case, runtime.RUN.device())
     found = located[key]
     failure["needs_pattern"] = _patterns_needed(impl, case, failure["property"])
+    if found.divergence is None and _holds_without_autocast_cache(impl, case, failure["property"]):
+        failure["needs_autocast_cache"] = True
     failure["localisation"] = found.describe()
     failure["first_diverging_op"] = found.divergence.to_dict() if found.divergence else None
     if found.divergence is None and found.matched and failure["property"] in NOT_IN_OPS:
@@ -199,6 +202,21 @@ def _patterns_needed(impl: Implementation, case: Case, prop: str) -> list[str]:
     for name in patterns:
         bare = bare.loop_patterns()[name]
     return list(patterns) if _failure(prop, verify(impl, bare, device=device)) == "" else []
+
+
+def _holds_without_autocast_cache(impl: Implementation, case: Case, prop: str) -> bool:
+    """Whether the property holds with autocast's cast cache off on both paths: a re-run
+    whose inputs are leaves that require grad (a reentrant checkpoint detaches them) gets
+    one cached cast for all their uses, and so their gradients summed in the low precision,
+    where full storage casts each use and sums in float32."""
+    if not case.dtype.endswith("-autocast") or prop not in ("gradients", "trajectory"):
+        return False
+    before = torch.is_autocast_cache_enabled()
+    torch.set_autocast_cache_enabled(False)  # each torch.autocast() reads it as its default
+    try:
+        return _failure(prop, verify(impl, case, device=runtime.RUN.device())) == ""
+    finally:
+        torch.set_autocast_cache_enabled(before)
 
 
 #: What the evidence says where step 1's recomputed ops all match and a property still fails.

@@ -180,6 +180,21 @@ def test_a_global_switch_left_changed_is_named() -> None:
     assert found.cause == "global-state" and "float64" in found.sentence
 
 
+def test_a_failure_that_autocast_s_cast_cache_alone_makes_is_named_so() -> None:
+    """Gradients that differ with every recomputed op matching, on an autocast case that
+    passes with the cast cache off on both paths (``needs_autocast_cache``): the re-run's
+    input leaves are cast once for all their uses; without that evidence the same failure
+    is another cause."""
+    record = _record(gradients="fail") | {"case": {"dtype": "bf16-autocast"}}
+    record["properties"][0]["failures"] = ["grad of layers.0.query.weight: relative error "
+                                           "4e-4 > bound 9.5e-07"]
+    matched = {"localisation": "every recomputed op of step 1 matched its original"}
+    found = diagnose(_failure("gradients", needs_autocast_cache=True, **matched), record)
+    assert found.cause == "autocast-cast-cache"
+    assert "grad of layers.0.query.weight" in found.sentence and "bfloat16" in found.sentence
+    assert diagnose(_failure("gradients", **matched), record).cause != "autocast-cast-cache"
+
+
 def test_every_cause_is_in_the_schema() -> None:
     from gradequiv.harness.reports.bundle import report_schema
 

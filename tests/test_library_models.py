@@ -103,14 +103,21 @@ def test_t5_under_reentrant_checkpoint_passes_its_position_bias_as_evidence() ->
 def test_an_encoder_under_reentrant_checkpoint_and_bf16_autocast_differs_and_says_where() -> None:
     """A real difference (the ground truth has it too): the re-run's input is a detached leaf
     that requires grad, which autocast's cast cache casts once for the query, key and value
-    projections; its gradient is then summed in bfloat16, not in float32. The headline is a
-    projection's weight, not a bias whose gradient is 1e-11."""
+    projections; its gradient is then summed in bfloat16, not in float32 (with the cache off
+    on both paths they agree). The headline is a projection's weight, not a bias whose
+    gradient is 1e-11."""
     pytest.importorskip("transformers")
     assert _ground_truth("bert", _hf(True), autocast=True) > 1e-5
     verdict = verify(resolve("hf", kwargs={"use_reentrant": True}),
                      _case("bert", dtype="bf16-autocast"))
     headline = _failing(verdict)["gradients"]
     assert headline.startswith("grad of encoder.layer.0.") and ".weight" in headline.split(":")[0]
+    torch.set_autocast_cache_enabled(False)  # the evidence the autocast-cast-cache cause reads
+    try:
+        assert verify(resolve("hf", kwargs={"use_reentrant": True}),
+                      _case("bert", dtype="bf16-autocast")).passed
+    finally:
+        torch.set_autocast_cache_enabled(True)
 
 
 def test_a_peft_lora_passes_under_both_checkpoints() -> None:

@@ -4,6 +4,7 @@ where it is correct, fails where it is not, and never crashes the harness."""
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 import pytest
@@ -224,6 +225,31 @@ def test_the_headline_is_the_tensor_whose_error_matters_at_the_gradients_scale()
     assert [c.name for c in result.worst_first()] == [
         "grad of blocks.0.mlp.weight", "grad of embed.weight", "grad of blocks.1.attn.bias"]
     assert result.first_failure.startswith("grad of blocks.0.mlp.weight")
+
+
+def test_reentrant_checkpoint_under_autocast_on_bert_s_layer_shape_names_the_cast_cache(
+        tmp_path: Any, capsys: pytest.CaptureFixture[str]) -> None:
+    """BERT's layer: query, key and value read the layer's float32 input. Under reentrant
+    checkpoint and bf16 autocast the gradients differ for real (a ground truth here, without
+    gradequiv, sees it too), and the cause is autocast's cast cache, which the failure
+    shows by passing with the cache off; it was named input-grads-dropped."""
+    case = _case("post_norm_encoder", dtype="bf16-autocast")
+    reentrant = resolve("torch-reentrant")
+    assert verify(reentrant, case).passed is False
+    torch.set_autocast_cache_enabled(False)
+    try:
+        assert verify(reentrant, case).passed  # the cache is the whole difference
+    finally:
+        torch.set_autocast_cache_enabled(True)
+    assert verify(resolve("torch"), case).passed
+    code = main(["check", "--in-process", "--impl", "torch-reentrant", "--model",
+                 "user_models:post_norm_encoder", "--examples", "1",
+                 "--report-dir", str(tmp_path)])
+    assert code == 1, capsys.readouterr().out
+    report = json.loads((tmp_path / "report.json").read_text())
+    assert [f["cause"] for f in report["faults"]] == ["autocast-cast-cache"]
+    assert "summed in bfloat16 where full storage sums them in float32" in \
+        report["failure"]["diagnosis"]["sentence"]
 
 
 # -- 8. an implementation that cannot import what it needs -------------------------------------

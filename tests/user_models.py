@@ -548,14 +548,20 @@ class CheckpointingStack(nn.Module):
         return self.head(h.mean(1))
 
 
-def checkpointing_stack(seed: int) -> UserModel:
+def _token_classifier(seed: int, make: Any, segments: list[Any], vocabulary: int = 10,
+                      **kwargs: Any) -> UserModel:
+    """A model ``make()`` of 4 x 6 token ids into 3 classes, built and batched from ``seed``."""
     gen = torch.Generator().manual_seed(seed)
     torch.manual_seed(seed)
-    model = CheckpointingStack()
-    tokens = torch.randint(0, 10, (4, 6), generator=gen)
+    model = make()
+    tokens = torch.randint(0, vocabulary, (4, 6), generator=gen)
     targets = torch.randint(0, 3, (4,), generator=gen)
-    return UserModel(model, (tokens,), targets, F.cross_entropy, segments=[BiasBlock],
-                     regimes=("fp32", "bf16-autocast"))  # reentrant: no torch.autograd.grad
+    return UserModel(model, (tokens,), targets, F.cross_entropy, segments=segments, **kwargs)
+
+
+def checkpointing_stack(seed: int) -> UserModel:
+    return _token_classifier(seed, CheckpointingStack, [BiasBlock],  # reentrant: no
+                             regimes=("fp32", "bf16-autocast"))  # torch.autograd.grad
 
 
 def stack_checkpointing(model: nn.Module, segments: list[str]) -> None:
@@ -632,13 +638,8 @@ class SharedBiasStack(nn.Module):
 
 
 def shared_bias_stack(seed: int) -> UserModel:
-    gen = torch.Generator().manual_seed(seed)
-    torch.manual_seed(seed)
-    model = SharedBiasStack()
-    tokens = torch.randint(0, 10, (4, 6), generator=gen)
-    targets = torch.randint(0, 3, (4,), generator=gen)
-    return UserModel(model, (tokens,), targets, F.cross_entropy, segments=[SharedBiasBlock],
-                     regimes=("fp32", "bf16-autocast"))  # reentrant: no torch.autograd.grad
+    return _token_classifier(seed, SharedBiasStack, [SharedBiasBlock],  # reentrant: no
+                             regimes=("fp32", "bf16-autocast"))  # torch.autograd.grad
 
 
 def shared_bias_checkpointing(model: nn.Module, **reentrant_kwargs: Any) -> None:
@@ -887,3 +888,40 @@ def toggle_needing_a_library(model: nn.Module) -> None:
 
     set_activation_checkpointing(model)
 
+
+
+class PostNormBlock(nn.Module):
+    """BERT's layer shape: the query, key and value projections read the layer's input, a
+    float32 LayerNorm output, and the layer ends in a LayerNorm of the residual sum. Under
+    autocast a reentrant checkpoint's re-run input is a detached leaf that requires grad,
+    which autocast's cast cache casts to bfloat16 once for all three projections."""
+
+    def __init__(self, width: int = 32) -> None:
+        super().__init__()
+        self.query = nn.Linear(width, width)
+        self.key = nn.Linear(width, width, bias=False)  # softmax ignores a key bias
+        self.value = nn.Linear(width, width)
+        self.norm = nn.LayerNorm(width)
+
+    def forward(self, x: Tensor) -> Tensor:
+        scores = torch.softmax(self.query(x) @ self.key(x).transpose(-2, -1), dim=-1)
+        return self.norm(x + scores @ self.value(x))
+
+
+class PostNormEncoder(nn.Module):
+    def __init__(self, width: int = 32, depth: int = 2) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(16, width)
+        self.embed_norm = nn.LayerNorm(width)
+        self.layers = nn.ModuleList(PostNormBlock(width) for _ in range(depth))
+        self.head = nn.Linear(width, 3)
+
+    def forward(self, tokens: Tensor) -> Tensor:
+        h = self.embed_norm(self.embed(tokens))  # float32 under autocast: a LayerNorm output
+        for layer in self.layers:
+            h = layer(h)
+        return self.head(h.mean(1))
+
+
+def post_norm_encoder(seed: int) -> UserModel:
+    return _token_classifier(seed, PostNormEncoder, [PostNormBlock], vocabulary=16)

@@ -36,7 +36,8 @@ __all__ = ["CAUSES", "Diagnosis", "diagnose", "distinct_faults", "fault_key"]
 
 #: Every cause a diagnosis can name.
 CAUSES = ("raised", "refuses-autograd-grad", "refuses-pattern", "in-flight-state",
-          "second-pass", "autocast-from-backward", "trainable-misread", "process",
+          "second-pass", "autocast-from-backward", "trainable-misread", "autocast-cast-cache",
+          "process",
           "global-state",
           "rng-not-restored",
           "autocast-lost", "dropout-skipped", "saved-output-changed", "inputs-lost",
@@ -230,6 +231,9 @@ def _cause(failure: dict[str, Any], record: dict[str, Any] | None,
             return found
     if failure.get("needs_pattern"):
         return _needs_pattern(failure["needs_pattern"], (record or {}).get("case") or {})
+    if failure.get("needs_autocast_cache") and not op:
+        return "autocast-cast-cache", _autocast_cache(failure, (record or {}).get("case") or {},
+                                                      texts)
     extra = next((t for t in texts.get("gradients", []) if "exists only on the recompute" in t
                   or "absent on the full-storage path" in t), "")
     if extra or any("its forward ran under no_grad" in t for t in texts.get("recompute", [])):
@@ -445,6 +449,21 @@ def _ops_said(failure: dict[str, Any]) -> str:
     if "every recomputed op" in (failure.get("localisation") or ""):
         return "the recomputed ops match the forward's"
     return "no recomputed op was seen to differ from its forward"
+
+
+def _autocast_cache(failure: dict[str, Any], case: dict[str, Any],
+                    texts: dict[str, list[str]]) -> str:
+    """The autocast-cast-cache sentence: the property holds with the cache off on both paths
+    (``needs_autocast_cache``)."""
+    low = "float16" if str(case.get("dtype", "")).startswith("fp16") else "bfloat16"
+    worst = _tensor(texts.get("gradients") or texts.get("trajectory") or [])
+    return (f"{_ops_said(failure)}, and with autocast's cast cache off on both paths the "
+            f"gradients agree, but with it on they differ ({worst}): the re-run's segment "
+            f"inputs are leaves that require grad (a reentrant checkpoint detaches them), which "
+            f"the cache casts to {low} once for all their uses, so their gradients are summed "
+            f"in {low} where full storage sums them in float32: a real difference of reentrant "
+            f"checkpointing under autocast; the non-reentrant checkpoint, or "
+            f"torch.autocast(..., cache_enabled=False), has none")
 
 
 def _gradients_only(kind: dict[str, Any], failing: list[str], texts: dict[str, list[str]],
