@@ -28,6 +28,7 @@ tmp=$(mktemp -d "${TMPDIR:-/tmp}/gradequiv-typecheck.XXXXXX")
 trap 'rm -rf "$tmp"' EXIT
 
 mkdir "$tmp/gradequiv"
+ln -s "$repo/gradequiv/__init__.py" "$tmp/gradequiv/__init__.py"
 for pkg in harness models properties; do
     ln -s "$repo/$pkg" "$tmp/gradequiv/$pkg"
 done

@@ -66,11 +66,14 @@ unset PYTHONPATH
 import sys
 from pathlib import Path
 
+import gradequiv
 import gradequiv.harness
 import gradequiv.properties
 
 venv = Path(sys.argv[1]).resolve()
-for package in (gradequiv.harness, gradequiv.properties):
+if gradequiv.check is not gradequiv.harness.check:  # the Python API, at the top
+    sys.exit("ci/wheel-check.sh: gradequiv.check is not gradequiv.harness.check")
+for package in (gradequiv, gradequiv.harness, gradequiv.properties):
     where = Path(package.__file__).resolve()
     if venv not in where.parents:
         sys.exit(f"ci/wheel-check.sh: {package.__name__} imported from {where}, not the venv")

@@ -1,4 +1,4 @@
-"""gradequiv.harness.check: the command line's check from Python, objects in, a Report out."""
+"""gradequiv.check: the command line's check from Python, objects in, a Report out."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from gradequiv.harness import InvalidArgument, Report, assert_equivalent, check
+from gradequiv import InvalidArgument, Report, assert_equivalent, check
 
 EXAMPLES = Path(__file__).resolve().parents[1] / "docs" / "examples"
 BF16 = "2L-layer-bf16-nodropout"  # a named case the hand-written checkpoint fails in seconds
@@ -108,3 +108,12 @@ def test_assert_equivalent_fails_with_the_diagnosis(hand_written):
     with pytest.raises(AssertionError, match="likely cause: the recompute runs addmm"):
         assert_equivalent(hand_written.my_checkpoint, case=BF16, in_process=True)
     assert assert_equivalent(hand_written.my_checkpoint_fixed, case=BF16).passed
+
+
+def test_the_api_is_at_the_top_of_the_package_as_the_engine_s_own() -> None:
+    import gradequiv.harness
+
+    for name in gradequiv.__all__:
+        assert getattr(gradequiv, name) is getattr(gradequiv.harness, name), name
+    with pytest.raises(AttributeError, match="has no attribute 'verify'"):
+        gradequiv.verify  # noqa: B018  # the engine's own names stay in gradequiv.harness

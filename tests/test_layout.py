@@ -51,7 +51,7 @@ KNOWN_VIOLATIONS: dict[tuple[str, str], str] = {
 }
 
 #: Imported by every pytest run (the plugin) or before a command is chosen: no torch.
-LIGHT_MODULES = ("gradequiv.harness.errors", "gradequiv.harness.validate",
+LIGHT_MODULES = ("gradequiv", "gradequiv.harness.errors", "gradequiv.harness.validate",
                  "gradequiv.harness.options", "gradequiv.models.kinds", "gradequiv.harness.cli",
                  "gradequiv.properties.plugin",
                  # check's supervisor, and what it writes a report with after a crash
