@@ -16,6 +16,7 @@ import torch
 from hypothesis import currently_in_test_context, event, reject, target
 
 from gradequiv.harness import Case, Implementation, Verdict, verify
+from gradequiv.harness.reports.diagnosis import divergence_cause
 from gradequiv.harness.reports.report import (
     SHRINK_KEY,
     pytest_reproduce_command,
@@ -54,7 +55,9 @@ def assert_property(name: str, impl: Implementation, case: Case, node: pytest.It
         # any new case once the shrink budget is spent. Hypothesis reports the smallest.
         if case.cost() > smallest.cost() or not run.may_shrink(node.name):
             reject()
-    verdict, fresh = run.cache.verify(impl, case, device, quick=shrinking)
+    # A shrink try asks about its own property only: the cheapest verdict that tells it.
+    verdict, fresh = run.cache.verify(impl, case, device, quick=shrinking,
+                                      probe=name if shrinking else None)
     message = _failure(name, verdict)
     command = _reproduce(impl, case, device) if fresh or message else ""
     if fresh:
@@ -147,8 +150,8 @@ def _reproduce(impl: Implementation, case: Case, device: Any) -> str:
 def replay_passes(impl: Implementation, failure: dict[str, Any]) -> bool:
     """Run a failure's case again, outside the cache: does the property hold now?
 
-    Where the first run left out the noise floor (a case tried while shrinking), the
-    replay's record, floor measured, becomes the case's record in the report.
+    Where the first run left out the noise floor or the memory watch (a case tried while
+    shrinking), the replay's record, whole, becomes the case's record in the report.
     """
     case = Case.from_dict(failure["case"])
     run = runtime.RUN
@@ -158,7 +161,8 @@ def replay_passes(impl: Implementation, failure: dict[str, Any]) -> bool:
         replayed = verify(impl, case, device=device, tolerance=run.tolerance(case))
         run.cache.replayed[key] = replayed
         first = run.cache.get(impl, case, device)
-        if first is not None and not first.floor_measured:
+        if first is not None and (not first.floor_measured or not first.memory_watched
+                                  or first.first_step_only):
             run.record(verdict_record(impl, replayed, device, reproduce=failure["reproduce"]))
     return _failure(failure["property"], run.cache.replayed[key]) == ""
 
@@ -174,11 +178,13 @@ def locate(impl: Implementation, failure: dict[str, Any]) -> None:
     if key not in located:
         located[key] = localise(impl, case, runtime.RUN.device())
     found = located[key]
-    failure["needs_pattern"] = _patterns_needed(impl, case, failure["property"])
-    if found.divergence is None and _holds_without_autocast_cache(impl, case, failure["property"]):
-        failure["needs_autocast_cache"] = True
     failure["localisation"] = found.describe()
     failure["first_diverging_op"] = found.divergence.to_dict() if found.divergence else None
+    # The experiments below (each a verify or more) only where the op names no cause.
+    if divergence_cause(failure["first_diverging_op"]) is None:
+        failure["needs_pattern"] = _patterns_needed(impl, case, failure["property"])
+    if found.divergence is None and _holds_without_autocast_cache(impl, case, failure["property"]):
+        failure["needs_autocast_cache"] = True
     if found.divergence is None and found.matched and failure["property"] in NOT_IN_OPS:
         failure["localisation"] = "; ".join([
             f"every recomputed op of step 1 matched its original, and "

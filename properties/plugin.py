@@ -427,8 +427,8 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) ->
 class _Gatherer:
     """Gathers verdicts and failures (from this process or xdist workers); writes the report."""
 
-    #: at most one rewrite of report.json per this many seconds as cases finish (the last
-    #: one of a run, and one at the end of each test, are always written)
+    #: at most one rewrite of report.json per this many seconds as cases and tests finish
+    #: (the run's last one is always written)
     WRITE_EVERY_S = 1.0
 
     def __init__(self, config: pytest.Config) -> None:
@@ -448,7 +448,12 @@ class _Gatherer:
     def case_finished(self, record: dict[str, Any]) -> None:
         """Keep a case as soon as it is verified: a kill or an interrupt keeps it too."""
         self._keep(record)
-        # Never more than a tenth of the run spent rewriting a report that grows with it.
+        self._write_when_due()
+
+    def _write_when_due(self) -> None:
+        """Rewrite report.json unless it was rewritten within the last second (or ten times
+        its own cost): never more than a tenth of the run spent rewriting a report that
+        grows with it; the run's last write always comes."""
         wait = max(self.WRITE_EVERY_S, 10 * self.write_cost)
         if self._writes_report() and time.monotonic() - self.written_at >= wait:
             self.write_report(complete=False)
@@ -497,8 +502,8 @@ class _Gatherer:
             self.errors[test] = _why_failed(str(report.longrepr)) or report.outcome
         if report.when == "call" or report.failed:
             self.outcomes[test] = report.outcome
-        if report.when == "teardown" and self._writes_report():
-            self.write_report(complete=False)  # a kill from here on keeps what finished
+        if report.when == "teardown":
+            self._write_when_due()  # a kill from here on keeps what finished
 
     def _explain(self, failure: dict[str, Any]) -> None:
         """A minimal failure's likely cause in words, and its case in a file of the report

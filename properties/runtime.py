@@ -28,6 +28,11 @@ FAILURE_KEY = "gradequiv_failure"
 #: machine's speed (``--shrink-budget`` adds a limit in seconds).
 SHRINK_TRIES = 25
 
+#: What a case tried while shrinking a property's failure needs: no memory watched, and the
+#: first step alone where the property reads no later one; recompute needs the whole case.
+PROBES = {"outputs": "first step", "gradients": "first step", "buffers": "first step",
+          "inference": "first step", "rng": "every step", "trajectory": "every step"}
+
 
 def default_profile() -> str:
     """``ci`` where Hypothesis itself detects CI (it then loads its own ``ci`` profile)."""
@@ -60,6 +65,7 @@ class VerdictCache:
 
     def __init__(self) -> None:
         self._verdicts: dict[tuple[str, str, str], Verdict] = {}
+        self._probes: dict[tuple[str, str, str, str], Verdict] = {}  # by (key, PROBES kind)
         self.on_verdict: Callable[[Verdict], None] | None = None
         #: hears of each case about to run (a supervisor names the case a crash ended)
         self.on_start: Callable[[Implementation, Case, Any], None] | None = None
@@ -69,32 +75,47 @@ class VerdictCache:
         self.replayed: dict[tuple[str, str], Verdict] = {}
 
     def has(self, impl: Implementation, case: Case, device: Any) -> bool:
-        return (implementation_key(impl), case.to_json(), str(device)) in self._verdicts
+        key = (implementation_key(impl), case.to_json(), str(device))
+        return key in self._verdicts or any(k[:3] == key for k in self._probes)
 
     def get(self, impl: Implementation, case: Case, device: Any) -> Verdict | None:
-        return self._verdicts.get((implementation_key(impl), case.to_json(), str(device)))
+        """The case's verdict: the whole one, else a probe."""
+        key = (implementation_key(impl), case.to_json(), str(device))
+        return self._verdicts.get(key) or next(
+            (v for k, v in self._probes.items() if k[:3] == key), None)
 
     def verify(self, impl: Implementation, case: Case, device: Any, *,
-               quick: bool = False) -> tuple[Verdict, bool]:
+               quick: bool = False, probe: str | None = None) -> tuple[Verdict, bool]:
         """The verdict, and whether it was computed now (False: from the cache). ``quick``:
         the noise floor only where it can change the verdict (a case tried while
-        shrinking)."""
+        shrinking). ``probe``: the property a case tried while shrinking asks about; the
+        verdict watches memory only for recompute, and runs the first step alone where the
+        property reads no later one (``PROBES``). Probes are kept apart, so that no test is
+        handed one for a whole verdict."""
         from gradequiv.harness import verify
 
         key = (implementation_key(impl), case.to_json(), str(device))
         if key in self._verdicts:
             return self._verdicts[key], False
+        kind = PROBES.get(probe or "")
+        if kind is not None and (*key, kind) in self._probes:
+            return self._probes[(*key, kind)], False
         if self.on_start is not None:
             self.on_start(impl, case, device)
         verdict = verify(impl, case, device=device, tolerance=RUN.tolerance(case),
-                         floor_when_needed=quick)
-        self._verdicts[key] = verdict
+                         floor_when_needed=quick, watch_memory=kind is None,
+                         first_step_only=kind == "first step")
+        if kind is None:
+            self._verdicts[key] = verdict
+        else:
+            self._probes[(*key, kind)] = verdict
         if self.on_verdict is not None:
             self.on_verdict(verdict)
         return verdict, True
 
     def clear(self) -> None:
         self._verdicts.clear()
+        self._probes.clear()
         self.located.clear()
         self.replayed.clear()
 

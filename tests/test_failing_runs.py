@@ -223,3 +223,32 @@ def test_two_different_exceptions_are_two_faults_and_one_exception_is_one() -> N
                 raised("test_named_case[one]", "B", "RuntimeError: shape [8, 16] is invalid"),
                 raised("test_named_case[two]", "C", "KeyError: 'rng'")]
     assert [f["reproduce"] for f in distinct_faults(failures)] == ["A", "C"]
+
+
+def test_shrink_tries_skip_the_memory_watch_and_the_minimal_case_is_kept_whole(
+        failing_run: dict[str, Any]) -> None:
+    """Cases tried while shrinking a property other than recompute watch no memory (and run
+    one step where the property reads no later one); the minimal case, replayed whole, is
+    the record the report keeps."""
+    report = failing_run["report"]
+    assert report["summary"]["shrink_attempts"] > 0
+    for failure in report["minimal_failures"]:
+        record = next(r for r in report["cases"] if r["reproduce"] == failure["reproduce"])
+        said = " ".join(p["summary"] for p in record["properties"])
+        assert "not checked: " not in said, failure["reproduce"]
+
+
+def test_a_probe_verdict_is_never_handed_to_a_test_that_needs_more() -> None:
+    from gradequiv.harness import resolve
+    from gradequiv.properties.runtime import VerdictCache
+
+    cache, impl, case = VerdictCache(), resolve("torch"), find_case("1L-layer-dropout")
+    probe, fresh = cache.verify(impl, case, "cpu", probe="outputs")
+    assert fresh and not probe.memory_watched and probe.first_step_only
+    assert cache.verify(impl, case, "cpu", probe="gradients") == (probe, False)  # step 1 too
+    every, fresh = cache.verify(impl, case, "cpu", probe="rng")  # reads the later steps
+    assert fresh and not every.first_step_only and not every.memory_watched
+    whole, fresh = cache.verify(impl, case, "cpu")
+    assert fresh and whole.memory_watched and not whole.first_step_only
+    assert cache.verify(impl, case, "cpu", probe="outputs") == (whole, False)  # serves all
+    assert cache.verify(impl, case, "cpu", probe="recompute") == (whole, False)

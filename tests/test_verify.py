@@ -183,3 +183,34 @@ def test_a_wrapper_that_patches_forward_keeps_the_input_names() -> None:
     assert by_name["gradients"].passed, by_name["gradients"].summary
     names = {c.name for c in by_name["gradients"].checks}
     assert {"grad of input blocks.0:x", "grad of input blocks.1:x"} <= names
+
+
+def test_a_verdict_for_a_shrink_try_judges_what_its_data_supports(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """What a case tried while shrinking another property's failure costs: no storage is
+    watched (no activation counter made) and, where asked, one step runs; the verdict on
+    every property the data supports is the whole verdict's, the others are said to be
+    unchecked rather than passed."""
+    from gradequiv.harness.engine import runner
+
+    made: list[object] = []
+    counter = runner.ActivationCounter
+
+    def counted(*args: object, **kwargs: object) -> object:
+        made.append(None)
+        return counter(*args, **kwargs)
+
+    monkeypatch.setattr(runner, "ActivationCounter", counted)
+    for fn in (wrong_impls.no_op, wrong_impls.skewed_gradients):
+        impl = Implementation("test", fn, "function")  # type: ignore[arg-type]
+        whole = statuses(verify(impl, CASE))
+        assert made, "the whole verdict watches memory"
+        made.clear()
+        probe = verify(impl, CASE, watch_memory=False)
+        assert not made and not probe.memory_watched
+        recompute = next(p for p in probe.properties if p.name == "recompute")
+        assert recompute.passed is None and "no memory was watched" in recompute.summary
+        assert statuses(probe) == whole | {"recompute": None}
+        first = verify(impl, CASE, watch_memory=False, first_step_only=True)
+        assert first.first_step_only and not made
+        assert statuses(first) == whole | {"recompute": None, "rng": None, "trajectory": None}

@@ -139,8 +139,10 @@ def run_path(
     count_memory: bool = False,
     start_from: PathRun | None = None,
     compiled: CompileSettings | None = None,
+    steps: int | None = None,
 ) -> PathRun:
-    """Train ``case`` for its steps; ``impl=None`` is the full-storage path.
+    """Train ``case`` for its steps (or the first ``steps``); ``impl=None`` is the
+    full-storage path.
 
     With ``compiled``, the model runs compiled whole under those settings.
     Python cannot watch inside a compiled graph, so segment forward calls and
@@ -186,7 +188,8 @@ def run_path(
                 path.set_trainable(1)
                 where = "the eval and no_grad forwards"
                 run.probes = _inference_forwards(path, call)
-            for step in range(1, case.steps + 1):
+            n_steps = case.steps if steps is None else steps
+            for step in range(1, n_steps + 1):
                 if step > 1 and start_from is not None:
                     where = f"step {step} start"
                     _restore(start_from.starts[step - 2], params, optimizer, device)
@@ -215,7 +218,7 @@ def run_path(
                 held_keys: frozenset[int] = frozenset()  # the storages step_held counts
                 # Full storage's first step of several: nothing reads what its backward
                 # makes (a leak is counted from step 2 on), so its backward runs unwatched.
-                unwatched = impl is None and step == 1 < case.steps
+                unwatched = impl is None and step == 1 < n_steps
                 # Under a schedule several forwards are in flight: their outputs and losses
                 # wait here for their backward.
                 pending: dict[int, tuple[Any, Tensor]] = {}

@@ -177,6 +177,8 @@ class Verdict:
     held_bytes: dict[str, int | None] = field(default_factory=dict)
     held_on: dict[str, dict[str, int] | None] = field(default_factory=dict)  # path -> device
     floor_measured: bool = True  # False: the floor path was not needed for this verdict
+    memory_watched: bool = True  # False: the recompute property was not checked
+    first_step_only: bool = False  # True: rng and trajectory were not checked
 
     @property
     def passed(self) -> bool:
@@ -204,6 +206,8 @@ def verify(
     device: str | torch.device = "cpu",
     tolerance: Tolerance | None = None,
     floor_when_needed: bool = False,
+    watch_memory: bool = True,
+    first_step_only: bool = False,
 ) -> Verdict:
     """Check ``impl`` on ``case`` against full storage; never raises for the impl's faults.
 
@@ -211,6 +215,11 @@ def verify(
     (a tensor off by more than a reordered sum may be, and no more than the dtype's cap):
     the same verdict, a third cheaper, without the floor's figures where it was not run
     (``Verdict.floor_measured``). For the cases tried while a failure is shrunk.
+    ``watch_memory=False``: no storage is watched (about a third cheaper again), and the
+    recompute property, which reads them, is not checked (``Verdict.memory_watched``);
+    ``first_step_only``: one optimizer step (half the work), and the properties that read
+    later ones (rng, trajectory) are not checked. For the cases tried while a failure of
+    another property is shrunk.
     """
     # torch's global switches as the case finds them (after the run's own, --deterministic):
     # every path starts from them, and they are put back after the case.
@@ -228,7 +237,9 @@ def verify(
     try:
         with _caller_rng_untouched(device):
             global_state.restore(clean)
-            full = run_path(case, None, device=device, count_memory=True, compiled=reference)
+            steps = 1 if first_step_only else case.steps
+            full = run_path(case, None, device=device, count_memory=watch_memory,
+                            compiled=reference, steps=steps)
             if full.error is not None:
                 limit = _regime_limit(case, full)
                 if limit:  # the model's own limit: nothing to hold against the implementation
@@ -246,8 +257,8 @@ def verify(
                     f"the full-storage path of case {case.describe()} verifies nothing: "
                     f"{nothing}; this is a fault of the model, not of the implementation")
             global_state.restore(clean)
-            recompute = run_path(case, impl, device=device, count_memory=True,
-                                 start_from=full,
+            recompute = run_path(case, impl, device=device, count_memory=watch_memory,
+                                 start_from=full, steps=steps,
                                  compiled=impl.compiled.settings if impl.compiled else None)
             floor: PathRun | None = None
             quick: list[PropertyResult] | None = None  # the checks against a zero floor
@@ -258,7 +269,7 @@ def verify(
                     quick = None
             if quick is None:
                 global_state.restore(clean)
-                floor = run_path(case, None, device=device, start_from=full,
+                floor = run_path(case, None, device=device, start_from=full, steps=steps,
                                  compiled=FLOOR if impl.compiled else None)
     finally:
         stuck = global_state.restore(clean)  # what could not be put back for the next case
@@ -300,8 +311,16 @@ def verify(
     verdict.held_on = {"full": full.held_on, "recompute": recompute.held_on}
     verdict.properties = quick if quick is not None else _check_all(
         case, full, floor, recompute, tolerance, impl.compiled, selective=impl.selective)
-    if impl.offloads:  # the last property asks another question of an offload
+    if impl.offloads and watch_memory:  # the last property asks another question of one
         verdict.properties[-1] = _check_offload(case, full, recompute, device)
+    verdict.memory_watched, verdict.first_step_only = watch_memory, first_step_only
+    unchecked = {"recompute": "no memory was watched"} if not watch_memory else {}
+    if first_step_only:
+        unchecked |= {name: "only the first step ran" for name in ("rng", "trajectory")}
+    verdict.properties = [PropertyResult(p.name, None, f"not checked: {unchecked[p.name]} (a "
+                                         f"case tried while another property's failure is "
+                                         f"shrunk)") if p.name in unchecked else p
+                          for p in verdict.properties]
     verdict.seconds["compare"] = time.perf_counter() - started
     return verdict
 

@@ -32,7 +32,8 @@ from gradequiv.harness.errors import exception_line
 from gradequiv.harness.implementations.resolve import BUILTINS
 from gradequiv.models.kinds import SCHEDULE_MICRO_BATCHES
 
-__all__ = ["CAUSES", "Diagnosis", "diagnose", "distinct_faults", "fault_key"]
+__all__ = ["CAUSES", "Diagnosis", "diagnose", "distinct_faults", "divergence_cause",
+           "fault_key"]
 
 #: Every cause a diagnosis can name.
 CAUSES = ("raised", "refuses-autograd-grad", "refuses-pattern", "in-flight-state",
@@ -610,6 +611,13 @@ def _refuses_autograd_grad(line: str) -> bool:
     return any(name in text for name in (".grad()", "autograd.grad")) and any(
         word in text for word in ("incompatible", "not compatible", "not supported",
                                   "does not support", "unsupported"))
+
+
+def divergence_cause(op: dict[str, Any] | None) -> str | None:
+    """The cause a first diverging op names by itself (None: it names none, and the
+    experiments that tell other causes apart are needed)."""
+    found = _from_divergence(op) if op else None
+    return found[0] if found else None
 
 
 def _from_divergence(op: dict[str, Any]) -> tuple[str, str] | None:
