@@ -54,7 +54,7 @@ __all__ = ["ExternalConfig", "ExternalModel", "UserModel", "declared_regimes", "
 class ExternalConfig:
     """A user's model, by the factory that builds it."""
 
-    factory: str  # package.module:attr, called as factory(seed) -> UserModel
+    factory: str  # package.module:attr, called as factory(seed) -> UserModel; or hf:NAME
 
     @property
     def has_randomness(self) -> bool:
@@ -225,10 +225,12 @@ class ExternalModel(RoutedModel):
 
 def load_user_model(config: ExternalConfig, seed: int) -> UserModel:
     """Import the factory, call it with ``seed``, and check what it returned."""
+    from gradequiv.models.library import library_factory
+
     if os.getcwd() not in sys.path:  # the factory may live in the current directory
         sys.path.insert(0, os.getcwd())
-    try:
-        factory = pkgutil.resolve_name(config.factory)
+    try:  # a library's architecture by name (hf:NAME), else the user's own factory
+        factory = library_factory(config.factory) or pkgutil.resolve_name(config.factory)
     except (ImportError, AttributeError, ValueError) as exc:
         raise InvalidArgument(
             f"--model={config.factory!r} could not be imported: {type(exc).__name__}: {exc}; "

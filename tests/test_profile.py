@@ -379,10 +379,13 @@ def test_profile_model_writes_the_table_frontier_recommendation_and_png(
 
 
 def _row(name: str, ms: float, held: int, peak: int | None = None,
-         on: bool = True) -> profiling.GranularityProfile:
+         on: bool = True, band: tuple[float, float] | None = None) -> profiling.GranularityProfile:
+    step_s = {"p50": ms / 1e3}
+    if band is not None:
+        step_s |= {"p25": band[0] / 1e3, "p75": band[1] / 1e3}
     return profiling.GranularityProfile(
         granularity=name, held_bytes=held, peak_backward_bytes=held if peak is None else peak,
-        step_s={"p50": ms / 1e3}, forward_s=0.0, backward_s=0.0, tokens_per_s=1e3 / ms,
+        step_s=step_s, forward_s=0.0, backward_s=0.0, tokens_per_s=1e3 / ms,
         on_frontier=on)
 
 
@@ -400,6 +403,20 @@ def test_the_knee_is_the_last_point_before_a_step_costs_clearly_more_per_byte() 
     # the same step at under twice the cost: the knee moves on to the least memory
     rows[3] = _row("layer", 18, 4 * MIB)  # 1.0 ms per MiB
     assert profiling.recommend(rows, batch=4)["knee"] == "layer"
+
+
+def test_a_step_is_clearly_more_only_at_the_ends_of_the_interquartile_ranges() -> None:
+    """By p50s the step to layer costs 2.5x the time per byte of the one before it; a rerun
+    can turn that into 1.7x (the ratio of p50s swung between every:2 and layer on identical
+    runs): with these spreads it is not clearly more, so the walk goes on to layer. With
+    tight spreads the same p50s keep the knee at every:2."""
+    def rows(spread: float) -> list[profiling.GranularityProfile]:
+        return [_row(g, ms, held * MIB, band=(ms - spread, ms + spread))
+                for g, ms, held in (("none", 10, 16), ("every:2", 14, 8), ("layer", 19, 4))]
+
+    assert profiling.recommend(rows(0.1), batch=4)["knee"] == "every:2"  # 1.25 ms vs 0.5
+    wide = profiling.recommend(rows(1.0), batch=4)
+    assert wide["knee"] == "layer" and "no step along the frontier" in wide["why"]
 
 
 @pytest.mark.parametrize("budget, fits, fastest", [
@@ -547,7 +564,8 @@ def test_rows_within_noise_are_tied_and_the_one_saving_more_memory_is_recommende
                                  "interquartile ranges overlap: every:2 10.1-10.3 ms, layer "
                                  "10.2-11.4 ms)")
     assert "the one saving more memory is recommended, layer" in rec["why"]
-    assert "by p50 alone the knee is every:2" in rec["why"]
+    # by p50s the step on to layer costs 6x, but not at the ends of the ranges: no knee
+    assert "no step along the frontier costs more than 2x" in rec["why"]
     assert "tied with it within noise" in rec["rule"]
     swapped = _on_frontier([_timed("none", 10.0, 0.02, 16 * MIB),
                             _timed("every:2", 10.8, 0.6, 8 * MIB),
@@ -555,8 +573,8 @@ def test_rows_within_noise_are_tied_and_the_one_saving_more_memory_is_recommende
     assert profiling.recommend(swapped, batch=4)["knee"] == "layer"
     # the same p50s, measured with less spread: a real difference, ranked as before
     apart = _on_frontier([_timed("none", 10.0, 0.02, 16 * MIB),
-                          _timed("every:2", 10.2, 0.1, 8 * MIB),
-                          _timed("layer", 10.8, 0.2, 4 * MIB)])
+                          _timed("every:2", 10.2, 0.02, 8 * MIB),
+                          _timed("layer", 10.8, 0.05, 4 * MIB)])
     rec = profiling.recommend(apart, batch=4)
     assert rec["knee"] == "every:2" and rec["tied"] == [] and "tied" not in rec["why"]
 

@@ -454,8 +454,8 @@ def recommend(rows: list[GranularityProfile], *, batch: int, unit: str = "tokens
     The knee: walk the frontier (:func:`peak_bytes` against p50 step time) from its
     fastest point towards less memory; the knee
     is the last point before a step whose time per byte saved is more than
-    ``KNEE_FACTOR`` times that of all the steps before it together (or the last point,
-    when no step is). Rows tied with it in time (:func:`within_noise`) are not ranked
+    ``KNEE_FACTOR`` times that of all the steps before it together, at the ends of their
+    interquartile ranges (:func:`_clearly_more`), or the last point, when no step is. Rows tied with it in time (:func:`within_noise`) are not ranked
     by time: the one with the smallest peak is recommended (``knee``), and ``tied`` names
     them. With a budget: the fastest granularity whose peak fits (the same tie rule
     among the fitting rows), and per granularity the largest batch whose peak
@@ -467,8 +467,8 @@ def recommend(rows: list[GranularityProfile], *, batch: int, unit: str = "tokens
     knee, why = frontier[0], "it is the only point on the frontier"
     if len(frontier) > 1:
         why = (f"no step along the frontier costs more than {KNEE_FACTOR:g}x the time per byte "
-               f"saved of the steps before it, so the point that saves the most is still a "
-               f"fair buy")
+               f"saved of the steps before it (at the ends of their step times' interquartile "
+               f"ranges), so the point that saves the most is still a fair buy")
         knee = frontier[-1]
         start = frontier[0]
         for before, after in zip(frontier, frontier[1:]):
@@ -480,13 +480,15 @@ def recommend(rows: list[GranularityProfile], *, batch: int, unit: str = "tokens
             so_far = (_ms_per(before.step_s["p50"] - start.step_s["p50"], saved_so_far, size)
                       if before is not start else None)
             this = _ms_per(after.step_s["p50"] - before.step_s["p50"], step_saved, size)
-            if so_far is not None and this > KNEE_FACTOR * so_far:
+            if so_far is not None and _clearly_more(start, before, after, saved_so_far,
+                                                    step_saved, size):
                 knee = before
                 why = (f"reaching it from {start.granularity} costs {so_far:.2f} ms of step time "
                        f"per {per} of peak saved; going on to {after.granularity} costs "
                        f"{this:.2f} ms per {per}, "
                        f"{this / so_far if so_far else float('inf'):.2f}x as much (more than "
-                       f"{KNEE_FACTOR:g}x is clearly more)")
+                       f"{KNEE_FACTOR:g}x is clearly more, and is so even at the ends of their "
+                       f"step times' interquartile ranges)")
                 break
     pick, tied = least_memory_among_tied(knee, rows)
     if len(tied) > 1:
@@ -497,7 +499,8 @@ def recommend(rows: list[GranularityProfile], *, batch: int, unit: str = "tokens
         "rule": (f"the knee: along the frontier (peak activation bytes against p50 step "
                  f"time) from its fastest point, the last granularity before a step whose "
                  f"step time per byte of peak saved is more than {KNEE_FACTOR:g}x that of the "
-                 f"steps before it together; granularities whose step-time interquartile "
+                 f"steps before it together, even at the ends of their step times' "
+                 f"interquartile ranges; granularities whose step-time interquartile "
                  f"ranges overlap the knee's are tied with it within noise, and of those the "
                  f"one with the smallest peak is recommended (the first listed where peaks "
                  f"are equal)"),
@@ -527,6 +530,20 @@ def recommend(rows: list[GranularityProfile], *, batch: int, unit: str = "tokens
                   if len(tied_fitting) > 1 else [],
                   largest_batch=largest, verdict=verdict)
     return result
+
+
+def _clearly_more(start: GranularityProfile, before: GranularityProfile,
+                  after: GranularityProfile, saved_so_far: int, step_saved: int,
+                  size: int) -> bool:
+    """Whether the step from ``before`` to ``after`` costs more than ``KNEE_FACTOR`` times
+    the time per byte of the steps from ``start`` to ``before``, even where the noise is
+    least kind to it: this step's time at its smallest (``after``'s p25 less ``before``'s
+    p75) against the steps before it at their largest (``before``'s p75 less ``start``'s
+    p25). A ratio of p50s alone swung from 1.7 to 2.9 between identical runs, and the
+    recommendation with it; a step whose ranges overlap is never clearly more."""
+    this_least = _ms_per(_band(after)[0] - _band(before)[1], step_saved, size)
+    so_far_most = _ms_per(_band(before)[1] - _band(start)[0], saved_so_far, size)
+    return this_least > KNEE_FACTOR * max(so_far_most, 0.0)
 
 
 def _ms_per(seconds: float, saved_bytes: int, size: int) -> float:

@@ -1,0 +1,175 @@
+"""A library's architecture as a model by name, no factory: ``--model hf:Qwen2ForCausalLM``.
+
+The model is built tiny and random-initialised from the library's own config class (small
+widths and depths, dropout on wherever the config has a knob for it, no download); the
+batch is what its main input asks for (token ids, or pixel values), with labels, so the
+loss is the one its head defines; and the segments are what the library's own toggle
+checkpoints: transformers wraps every ``GradientCheckpointingLayer``, so every instance of
+that class (outermost) is a segment. ``--impl hf`` then turns the library's checkpointing
+on the way its users do. What cannot be built this way is a usage error with the reason.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib
+import warnings
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from gradequiv.harness.errors import InvalidArgument
+from gradequiv.models.external import UserModel
+
+__all__ = ["LIBRARY_PREFIXES", "library_factory", "transformers_model"]
+
+#: ``--model PREFIX:NAME`` routes to a library's architecture instead of a factory.
+LIBRARY_PREFIXES = ("hf",)
+
+BATCH, SEQ, LABELS_SEQ, IMAGE = 2, 8, 6, 32
+
+#: Config knobs set where the config has them: two layers, 32 wide, two heads, one
+#: key-value head, 64 wide feed-forward, a small vocabulary and image.
+SMALL: dict[str, Any] = {
+    "hidden_size": 32, "d_model": 32, "n_embd": 32, "dim": 32, "hidden_dim": 64,
+    "num_hidden_layers": 2, "num_layers": 2, "n_layer": 2, "n_layers": 2,
+    "num_decoder_layers": 2, "encoder_layers": 2, "decoder_layers": 2,
+    "num_attention_heads": 2, "n_head": 2, "n_heads": 2, "encoder_attention_heads": 2,
+    "decoder_attention_heads": 2, "num_heads": 2, "num_key_value_heads": 1,
+    "intermediate_size": 64, "d_ff": 64, "n_inner": 64, "ffn_dim": 64,
+    "encoder_ffn_dim": 64, "decoder_ffn_dim": 64, "d_kv": 16, "head_dim": 16,
+    "vocab_size": 96, "max_position_embeddings": 64, "n_positions": 64,
+    "image_size": IMAGE, "patch_size": 8, "num_channels": 3,
+}
+
+#: Dropout knobs turned on (0.1) where the config has them: a re-run must draw the same.
+DROPOUT = ("hidden_dropout_prob", "attention_probs_dropout_prob", "attention_dropout",
+           "dropout", "resid_pdrop", "embd_pdrop", "attn_pdrop", "hidden_dropout",
+           "activation_dropout", "dropout_rate")
+
+#: The heads whose loss a batch of labels defines, by the class name's ending.
+_HEADS = ("ForCausalLM", "LMHeadModel", "ForMaskedLM", "ForConditionalGeneration",
+          "ForSequenceClassification", "ForTokenClassification", "ForImageClassification")
+
+
+def library_factory(spec: str) -> Callable[[int], UserModel] | None:
+    """The factory ``--model spec`` names when it is a library route (None: it is not)."""
+    prefix, _, name = spec.partition(":")
+    if prefix == "hf":
+        return functools.partial(transformers_model, name)
+    return None
+
+
+def _transformers() -> Any:
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            return importlib.import_module("transformers")
+    except ImportError as exc:
+        raise InvalidArgument(
+            f"--model hf:... needs transformers ({exc}); install it with: "
+            f"pip install 'gradequiv[hf]'") from exc
+
+
+def _architecture(transformers: Any, name: str) -> Any:
+    cls = getattr(transformers, name, None)
+    if not isinstance(cls, type) or not hasattr(cls, "config_class"):
+        raise InvalidArgument(
+            f"--model='hf:{name}': transformers {transformers.__version__} has no model class "
+            f"{name!r}; name one with a head, e.g. hf:Qwen2ForCausalLM, hf:BertForMaskedLM, "
+            f"hf:T5ForConditionalGeneration, hf:ViTForImageClassification")
+    if not name.endswith(_HEADS):
+        raise InvalidArgument(
+            f"--model='hf:{name}': gradequiv takes the loss from the model's head, and "
+            f"{name} has none it knows; name the class with a head ({', '.join(_HEADS)})")
+    if not getattr(cls, "supports_gradient_checkpointing", False):
+        raise InvalidArgument(f"--model='hf:{name}': transformers does not support gradient "
+                              f"checkpointing for {name} (supports_gradient_checkpointing "
+                              f"is False): there is nothing of its own to check")
+    return cls
+
+
+def tiny_config(config_class: Any) -> Any:
+    """The architecture's own config, shrunk: the knobs of ``SMALL`` it has, dropout on,
+    eager attention, no cache, and special token ids inside the small vocabulary."""
+    default = config_class()
+    knobs = {k: v for k, v in SMALL.items() if hasattr(default, k)}
+    knobs |= {k: 0.1 for k in DROPOUT if isinstance(getattr(default, k, None), float)}
+    vocab = knobs.get("vocab_size", getattr(default, "vocab_size", None))
+    if isinstance(vocab, int):
+        for key, value in vars(default).items():
+            if key.endswith("_token_id") and isinstance(value, int) and value >= vocab:
+                knobs[key] = vocab - 1
+        if getattr(default, "pad_token_id", 0) is None:
+            knobs["pad_token_id"] = 0  # a decoder's classification head finds the last token
+    if getattr(default, "is_encoder_decoder", False) and \
+            getattr(default, "decoder_start_token_id", None) is None:
+        # labels are shifted right into decoder inputs from this id (T5 keeps it elsewhere)
+        knobs["decoder_start_token_id"] = knobs.get("pad_token_id", default.pad_token_id or 0)
+    return config_class(**knobs, attn_implementation="eager", use_cache=False)
+
+
+def _batch(cls: Any, name: str, config: Any, seed: int) -> dict[str, Tensor]:
+    """What the model's main input asks for, with labels its head takes a loss from."""
+    gen = torch.Generator().manual_seed(seed)
+    main = getattr(cls, "main_input_name", "input_ids")
+    vocab = getattr(config, "vocab_size", None)
+    if main == "input_ids" and isinstance(vocab, int):
+        tokens = torch.randint(4, vocab, (BATCH, SEQ), generator=gen)  # no special ids
+        inputs = {"input_ids": tokens}
+        if name.endswith("ForConditionalGeneration"):
+            labels = torch.randint(4, vocab, (BATCH, LABELS_SEQ), generator=gen)
+        elif name.endswith("ForSequenceClassification"):
+            labels = torch.randint(0, config.num_labels, (BATCH,), generator=gen)
+        elif name.endswith("ForTokenClassification"):
+            labels = torch.randint(0, config.num_labels, (BATCH, SEQ), generator=gen)
+        else:  # a language-model head: the tokens themselves (shifted inside, if causal)
+            labels = tokens.clone()
+        return inputs | {"labels": labels}
+    if main == "pixel_values" and name.endswith("ForImageClassification"):
+        size = getattr(config, "image_size", IMAGE)
+        size = size if isinstance(size, int) else IMAGE
+        channels = getattr(config, "num_channels", 3)
+        pixels = torch.randn(BATCH, channels, size, size, generator=gen)
+        return {"pixel_values": pixels,
+                "labels": torch.randint(0, config.num_labels, (BATCH,), generator=gen)}
+    raise InvalidArgument(
+        f"--model='hf:{name}': its main input is {main!r}, for which gradequiv makes no "
+        f"batch yet (token ids and pixel values it makes); write a factory "
+        f"(docs/reference.md, 'Your own model')")
+
+
+def _head_loss(outputs: Any, labels: Tensor) -> Tensor:
+    """The loss the model's head computed from the labels it was given."""
+    return outputs.loss
+
+
+def transformers_model(name: str, seed: int) -> UserModel:
+    """``hf:NAME``: the transformers class ``NAME``, tiny, with its own loss and the layers
+    its ``gradient_checkpointing_enable()`` checkpoints as segments."""
+    transformers = _transformers()
+    cls = _architecture(transformers, name)
+    try:
+        layers = importlib.import_module("transformers.modeling_layers")
+        checkpointed = layers.GradientCheckpointingLayer
+    except (ImportError, AttributeError) as exc:
+        raise InvalidArgument(
+            f"--model='hf:{name}': transformers {transformers.__version__} has no "
+            f"GradientCheckpointingLayer (4.52 and later do), which says what its toggle "
+            f"checkpoints; upgrade transformers or write a factory") from exc
+    torch.manual_seed(seed)
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            config = tiny_config(cls.config_class)
+            model = cls(config)
+    except Exception as exc:  # a config that cannot be shrunk this way: say which and why
+        raise InvalidArgument(
+            f"--model='hf:{name}' could not be built tiny from {cls.config_class.__name__} "
+            f"({type(exc).__name__}: {exc}); write a factory with a config of your own "
+            f"(docs/reference.md, 'Your own model')") from exc
+    inputs = _batch(cls, name, config, seed)
+    return UserModel(model, inputs, inputs["labels"], _head_loss, segments=[checkpointed],
+                     regimes=("fp32", "bf16-autocast"))

@@ -1,0 +1,76 @@
+"""``--model hf:NAME``: a transformers architecture checked with no factory, built tiny from
+its own config, its head's loss, and the layers its own toggle checkpoints as segments."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from gradequiv.harness import Case, resolve, verify
+from gradequiv.harness.cli import main
+from gradequiv.models import ExternalConfig, build, parse_granularity
+from gradequiv.models.library import library_factory
+
+#: decoders, encoders, encoder-decoders and a vision model, each with its own head
+ARCHITECTURES = ["Qwen2ForCausalLM", "LlamaForCausalLM", "GPT2LMHeadModel",
+                 "MistralForCausalLM", "BertForMaskedLM", "RobertaForSequenceClassification",
+                 "DistilBertForTokenClassification", "T5ForConditionalGeneration",
+                 "BartForConditionalGeneration", "ViTForImageClassification"]
+
+
+@pytest.fixture(autouse=True)
+def _quiet_transformers(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("TRANSFORMERS_VERBOSITY", "error")
+
+
+def _case(name: str, **kwargs: object) -> Case:
+    return Case(model=ExternalConfig(f"hf:{name}"), granularity=parse_granularity("layer"),
+                **kwargs)  # type: ignore[arg-type]
+
+
+def test_a_library_prefix_routes_to_the_library_and_anything_else_to_a_factory() -> None:
+    assert library_factory("my_models:hf") is None and library_factory("hfx:Bert") is None
+    assert library_factory("hf:BertForMaskedLM") is not None
+
+
+@pytest.mark.parametrize("name", ARCHITECTURES)
+def test_an_architecture_by_name_passes_with_its_own_checkpointing(name: str) -> None:
+    pytest.importorskip("transformers")
+    from transformers.modeling_layers import GradientCheckpointingLayer
+
+    workload = build(ExternalConfig(f"hf:{name}"), Case().batch, 0)
+    segments = workload.segments(parse_granularity("layer"))
+    assert len(segments) >= 2 and all(isinstance(s.module, GradientCheckpointingLayer)
+                                       for s in segments)
+    assert sum(p.numel() for p in workload.model.parameters()) < 200_000  # tiny
+    verdict = verify(resolve("hf"), _case(name))
+    assert verdict.passed, verdict.error or verdict.first_failure
+    assert any(c.name.startswith("grad of ") for p in verdict.properties for c in p.checks)
+
+
+def test_the_route_finds_what_a_factory_written_check_finds() -> None:
+    """BERT under reentrant checkpoint and bf16 autocast differs for real, as the factory in
+    tests/library_models.py shows (test_library_models): the same verdict here, with the
+    cause named."""
+    pytest.importorskip("transformers")
+    reentrant = resolve("hf", kwargs={"use_reentrant": True})
+    assert verify(reentrant, _case("BertForMaskedLM")).passed
+    assert verify(reentrant, _case("BertForMaskedLM", dtype="bf16-autocast")).passed is False
+    torch.set_autocast_cache_enabled(False)
+    try:
+        assert verify(reentrant, _case("BertForMaskedLM", dtype="bf16-autocast")).passed
+    finally:
+        torch.set_autocast_cache_enabled(True)
+
+
+@pytest.mark.parametrize("spec, said", [
+    ("hf:NoSuchModelForCausalLM", "has no model class 'NoSuchModelForCausalLM'"),
+    ("hf:BertModel", "BertModel has none it knows; name the class with a head"),
+    ("hf:Wav2Vec2ForSequenceClassification", "its main input is 'input_values'"),
+])
+def test_what_cannot_be_built_is_exit_2_with_the_reason(
+        spec: str, said: str, capsys: pytest.CaptureFixture[str]) -> None:
+    pytest.importorskip("transformers")
+    code = main(["check", "--in-process", "--impl", "hf", "--model", spec, "--examples", "1"])
+    err = capsys.readouterr().err
+    assert code == 2 and said in err and err.count("\n") == 1, err
