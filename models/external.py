@@ -35,7 +35,7 @@ import pkgutil
 import sys
 from collections import Counter
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from types import MethodType
 from typing import Any
 
@@ -45,6 +45,7 @@ from torch import Tensor, nn
 from gradequiv.harness.errors import InvalidArgument
 from gradequiv.models.granularity import SINGLE_LAYERS, Granularity
 from gradequiv.models.segments import RoutedModel, Router, Segment, layer_segments
+from gradequiv.models.user_model import SegmentName, UserModel
 
 __all__ = ["ExternalConfig", "ExternalModel", "UserModel", "declared_regimes", "load_user_model",
            "reproducibility_problem", "segment_names"]
@@ -66,52 +67,6 @@ class ExternalConfig:
             raise InvalidArgument(
                 f"--model={self.factory!r} is not 'package.module:attr'; name a function "
                 f"that takes a seed and returns gradequiv.models.UserModel")
-
-
-#: A segment as a factory names it: a dotted submodule name, or a module class (every
-#: instance of it, outermost ones, in the model's order).
-SegmentName = str | type[nn.Module]
-
-
-@dataclass
-class UserModel:
-    """What a factory returns: everything the harness needs to train one fixed batch.
-
-    ``inputs``: the positional arguments of ``model.forward`` (a tuple), or its keyword
-    arguments (a dict); ``keyword_inputs`` adds keywords after positional ones (T5's
-    ``input_ids=..., decoder_input_ids=...`` without ``None`` placeholders between them).
-    ``segments``: dotted names of the submodules to recompute, or module classes (every
-    instance). ``regimes``: the precision regimes the model runs (None: every one); the
-    others are "not applicable to this model".
-    """
-
-    model: nn.Module
-    inputs: tuple[Tensor | None, ...] | dict[str, Tensor | None]
-    targets: Tensor
-    loss_fn: Callable[[Any, Tensor], Tensor]
-    segments: Sequence[SegmentName]
-    keyword_inputs: dict[str, Tensor | None] = field(default_factory=dict)
-    regimes: tuple[str, ...] | None = None
-
-    @property
-    def positional(self) -> tuple[Tensor | None, ...]:
-        """The positional inputs (none where ``inputs`` is a dict)."""
-        return () if isinstance(self.inputs, dict) else tuple(self.inputs)
-
-    @property
-    def keywords(self) -> dict[str, Tensor | None]:
-        """Every keyword input: ``inputs`` as a dict, then ``keyword_inputs``."""
-        given = self.inputs if isinstance(self.inputs, dict) else {}
-        return {**given, **self.keyword_inputs}
-
-    def flat_inputs(self) -> tuple[Tensor | None, ...]:
-        """Positional inputs, then the keyword inputs' values: the one tuple the harness
-        carries (``ExternalModel.forward`` hands them back by keyword)."""
-        return (*self.positional, *self.keywords.values())
-
-    def input_names(self) -> list[str]:
-        """``arg0``, ``arg1``, ... for positional inputs, the keyword for the others."""
-        return [f"arg{i}" for i in range(len(self.positional))] + list(self.keywords)
 
 
 def segment_names(model: nn.Module, segments: Sequence[SegmentName]) -> list[str]:

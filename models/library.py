@@ -21,7 +21,7 @@ import torch
 from torch import Tensor
 
 from gradequiv.harness.errors import InvalidArgument
-from gradequiv.models.external import UserModel
+from gradequiv.models.user_model import UserModel
 
 __all__ = ["LIBRARY_PREFIXES", "library_factory", "transformers_model"]
 
@@ -111,14 +111,14 @@ def tiny_config(config_class: Any) -> Any:
     return config_class(**knobs, attn_implementation="eager", use_cache=False)
 
 
-def _batch(cls: Any, name: str, config: Any, seed: int) -> dict[str, Tensor]:
+def _batch(cls: Any, name: str, config: Any, seed: int) -> dict[str, Tensor | None]:
     """What the model's main input asks for, with labels its head takes a loss from."""
     gen = torch.Generator().manual_seed(seed)
     main = getattr(cls, "main_input_name", "input_ids")
     vocab = getattr(config, "vocab_size", None)
     if main == "input_ids" and isinstance(vocab, int):
         tokens = torch.randint(4, vocab, (BATCH, SEQ), generator=gen)  # no special ids
-        inputs = {"input_ids": tokens}
+        inputs: dict[str, Tensor | None] = {"input_ids": tokens}
         if name.endswith("ForConditionalGeneration"):
             labels = torch.randint(4, vocab, (BATCH, LABELS_SEQ), generator=gen)
         elif name.endswith("ForSequenceClassification"):
@@ -143,7 +143,8 @@ def _batch(cls: Any, name: str, config: Any, seed: int) -> dict[str, Tensor]:
 
 def _head_loss(outputs: Any, labels: Tensor) -> Tensor:
     """The loss the model's head computed from the labels it was given."""
-    return outputs.loss
+    loss: Tensor = outputs.loss
+    return loss
 
 
 def transformers_model(name: str, seed: int) -> UserModel:
@@ -171,5 +172,7 @@ def transformers_model(name: str, seed: int) -> UserModel:
             f"({type(exc).__name__}: {exc}); write a factory with a config of your own "
             f"(docs/reference.md, 'Your own model')") from exc
     inputs = _batch(cls, name, config, seed)
-    return UserModel(model, inputs, inputs["labels"], _head_loss, segments=[checkpointed],
+    labels = inputs["labels"]
+    assert labels is not None
+    return UserModel(model, inputs, labels, _head_loss, segments=[checkpointed],
                      regimes=("fp32", "bf16-autocast"))

@@ -1,8 +1,8 @@
 """The README's examples run as written: each block marked ``<!-- readme-test ... -->`` is
 saved (``file=NAME``) or run, in order, in one folder, as a newcomer would run them. A run's
 ``append="..."`` keeps it to seconds (``--case``, ``--examples``); ``exit=N`` is the code it
-must end with; ``needs=MODULE`` runs it only where that library is installed; an unmarked block right after a run is its output, whose first line must be
-in what the run printed."""
+must end with; ``needs=MODULE`` runs it only where that library is installed; an unmarked
+block right after a run is its output, whose first line must be in what the run printed."""
 
 from __future__ import annotations
 

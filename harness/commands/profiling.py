@@ -452,11 +452,11 @@ def recommend(rows: list[GranularityProfile], *, batch: int, unit: str = "tokens
     """The frontier's knee, and with ``memory_budget`` what fits it.
 
     The knee: walk the frontier (:func:`peak_bytes` against p50 step time) from its
-    fastest point towards less memory; the knee
-    is the last point before a step whose time per byte saved is more than
-    ``KNEE_FACTOR`` times that of all the steps before it together, at the ends of their
-    interquartile ranges (:func:`_clearly_more`), or the last point, when no step is. Rows tied with it in time (:func:`within_noise`) are not ranked
-    by time: the one with the smallest peak is recommended (``knee``), and ``tied`` names
+    fastest point towards less memory; the knee is the last point before a step whose
+    time per byte saved is more than ``KNEE_FACTOR`` times that of all the steps before it
+    together, at the ends of their interquartile ranges (:func:`_clearly_more`), or the
+    last point, when no step is. Rows tied with it in time (:func:`within_noise`) are not
+    ranked by time: the one with the smallest peak is recommended (``knee``), and ``tied`` names
     them. With a budget: the fastest granularity whose peak fits (the same tie rule
     among the fitting rows), and per granularity the largest batch whose peak
     would fit (activation bytes grow with the batch, so the measured peak per sample
