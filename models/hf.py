@@ -7,31 +7,18 @@ other implementation. Needs ``pip install 'gradequiv[hf]'``.
 
 from __future__ import annotations
 
-import importlib
-import warnings
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from gradequiv.harness.errors import InvalidArgument
-from gradequiv.models.external import UserModel
+from gradequiv.models.library import import_transformers
+from gradequiv.models.user_model import UserModel
 
 __all__ = ["gpt2", "llama"]
 
 VOCAB, WIDTH, LAYERS, HEADS, SEQ, BATCH = 64, 32, 2, 2, 12, 2
-
-
-def _transformers() -> Any:
-    try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            return importlib.import_module("transformers")
-    except ImportError as exc:
-        raise InvalidArgument(
-            f"--model gradequiv.models.hf:... needs transformers ({exc}); install it with: "
-            f"pip install 'gradequiv[hf]'") from exc
 
 
 def _loss(outputs: Any, targets: Tensor) -> Tensor:
@@ -47,7 +34,7 @@ def _batch(seed: int) -> tuple[Tensor, Tensor]:
 
 def llama(seed: int) -> UserModel:
     """A 2-layer Llama (eager attention, attention dropout 0.1); segments: its decoder layers."""
-    transformers = _transformers()
+    transformers = import_transformers("gradequiv.models.hf:...")
     config = transformers.LlamaConfig(
         vocab_size=VOCAB, hidden_size=WIDTH, intermediate_size=2 * WIDTH,
         num_hidden_layers=LAYERS, num_attention_heads=HEADS, num_key_value_heads=HEADS,
@@ -63,7 +50,7 @@ def llama(seed: int) -> UserModel:
 def gpt2(seed: int) -> UserModel:
     """A 2-layer GPT-2 (dropout 0.1 on embeddings, attention and residuals); segments: its
     blocks."""
-    transformers = _transformers()
+    transformers = import_transformers("gradequiv.models.hf:...")
     config = transformers.GPT2Config(
         vocab_size=VOCAB, n_embd=WIDTH, n_layer=LAYERS, n_head=HEADS, n_positions=SEQ,
         resid_pdrop=0.1, embd_pdrop=0.1, attn_pdrop=0.1, attn_implementation="eager",

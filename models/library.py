@@ -23,7 +23,7 @@ from torch import Tensor
 from gradequiv.harness.errors import InvalidArgument
 from gradequiv.models.user_model import UserModel
 
-__all__ = ["LIBRARY_PREFIXES", "library_factory", "transformers_model"]
+__all__ = ["LIBRARY_PREFIXES", "import_transformers", "library_factory", "transformers_model"]
 
 #: ``--model PREFIX:NAME`` routes to a library's architecture instead of a factory.
 LIBRARY_PREFIXES = ("hf",)
@@ -62,14 +62,15 @@ def library_factory(spec: str) -> Callable[[int], UserModel] | None:
     return None
 
 
-def _transformers() -> Any:
+def import_transformers(route: str) -> Any:
+    """transformers, imported quietly; its absence is a usage error naming ``route``."""
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             return importlib.import_module("transformers")
     except ImportError as exc:
         raise InvalidArgument(
-            f"--model hf:... needs transformers ({exc}); install it with: "
+            f"--model {route} needs transformers ({exc}); install it with: "
             f"pip install 'gradequiv[hf]'") from exc
 
 
@@ -150,7 +151,7 @@ def _head_loss(outputs: Any, labels: Tensor) -> Tensor:
 def transformers_model(name: str, seed: int) -> UserModel:
     """``hf:NAME``: the transformers class ``NAME``, tiny, with its own loss and the layers
     its ``gradient_checkpointing_enable()`` checkpoints as segments."""
-    transformers = _transformers()
+    transformers = import_transformers("hf:...")
     cls = _architecture(transformers, name)
     try:
         layers = importlib.import_module("transformers.modeling_layers")

@@ -65,7 +65,8 @@ class VerdictCache:
 
     def __init__(self) -> None:
         self._verdicts: dict[tuple[str, str, str], Verdict] = {}
-        self._probes: dict[tuple[str, str, str, str], Verdict] = {}  # by (key, PROBES kind)
+        #: verdicts of shrink tries: key -> PROBES kind -> verdict
+        self._probes: dict[tuple[str, str, str], dict[str, Verdict]] = {}
         self.on_verdict: Callable[[Verdict], None] | None = None
         #: hears of each case about to run (a supervisor names the case a crash ended)
         self.on_start: Callable[[Implementation, Case, Any], None] | None = None
@@ -76,13 +77,12 @@ class VerdictCache:
 
     def has(self, impl: Implementation, case: Case, device: Any) -> bool:
         key = (implementation_key(impl), case.to_json(), str(device))
-        return key in self._verdicts or any(k[:3] == key for k in self._probes)
+        return key in self._verdicts or key in self._probes
 
     def get(self, impl: Implementation, case: Case, device: Any) -> Verdict | None:
         """The case's verdict: the whole one, else a probe."""
         key = (implementation_key(impl), case.to_json(), str(device))
-        return self._verdicts.get(key) or next(
-            (v for k, v in self._probes.items() if k[:3] == key), None)
+        return self._verdicts.get(key) or next(iter(self._probes.get(key, {}).values()), None)
 
     def verify(self, impl: Implementation, case: Case, device: Any, *,
                quick: bool = False, probe: str | None = None) -> tuple[Verdict, bool]:
@@ -98,8 +98,8 @@ class VerdictCache:
         if key in self._verdicts:
             return self._verdicts[key], False
         kind = PROBES.get(probe or "")
-        if kind is not None and (*key, kind) in self._probes:
-            return self._probes[(*key, kind)], False
+        if kind is not None and kind in self._probes.get(key, {}):
+            return self._probes[key][kind], False
         if self.on_start is not None:
             self.on_start(impl, case, device)
         verdict = verify(impl, case, device=device, tolerance=RUN.tolerance(case),
@@ -108,7 +108,7 @@ class VerdictCache:
         if kind is None:
             self._verdicts[key] = verdict
         else:
-            self._probes[(*key, kind)] = verdict
+            self._probes.setdefault(key, {})[kind] = verdict
         if self.on_verdict is not None:
             self.on_verdict(verdict)
         return verdict, True
