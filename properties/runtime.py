@@ -104,6 +104,7 @@ class VerdictCache:
             self.on_start(impl, case, device)
         verdict = verify(impl, case, device=device, tolerance=RUN.tolerance(case),
                          floor_when_needed=quick, watch_memory=kind is None,
+                         always_floor=RUN.options.deterministic and kind is None,
                          first_step_only=kind == "first step")
         if kind is None:
             self._verdicts[key] = verdict

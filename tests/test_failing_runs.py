@@ -156,7 +156,8 @@ def test_a_shrink_try_leaves_out_the_floor_only_where_the_verdict_cannot_need_it
 
     impl, case = resolve(spec), find_case(name)
     whole, quick = verify(impl, case), verify(impl, case, floor_when_needed=True)
-    assert whole.floor_measured and quick.passed == whole.passed
+    # a whole verdict runs the floor only where it fails against a zero floor
+    assert whole.floor_measured == (not whole.passed) and quick.passed == whole.passed
     statuses = [(p.name, p.passed, p.first_failure) for p in whole.properties]
     assert [(p.name, p.passed, p.first_failure) for p in quick.properties] == statuses
     if whole.passed or spec.endswith("no_rng_restore"):  # bitwise equal, or far past a cap
@@ -252,3 +253,35 @@ def test_a_probe_verdict_is_never_handed_to_a_test_that_needs_more() -> None:
     assert fresh and whole.memory_watched and not whole.first_step_only
     assert cache.verify(impl, case, "cpu", probe="outputs") == (whole, False)  # serves all
     assert cache.verify(impl, case, "cpu", probe="recompute") == (whole, False)
+
+
+@pytest.mark.parametrize("name", ["2L-layer-bf16-dropout", "1L-layer-dropout"])
+def test_a_verdict_passing_against_a_zero_floor_is_the_one_a_measured_floor_gives(
+        name: str) -> None:
+    """The floor only raises bounds: where every property holds against a floor of zero,
+    the floor path is left out, and running it changes no property's status."""
+    import torch
+
+    from gradequiv.harness import resolve, verify
+    from gradequiv.harness.engine.compare import Tolerance
+    from gradequiv.harness.engine.runner import run_path
+    from gradequiv.harness.engine.verify import _check_all
+
+    impl, case = resolve("torch"), find_case(name)
+    verdict = verify(impl, case)
+    assert verdict.passed and not verdict.floor_measured and "floor" not in verdict.seconds
+    cpu = torch.device("cpu")
+    full = run_path(case, None, device=cpu, count_memory=True)
+    recompute = run_path(case, impl, device=cpu, count_memory=True, start_from=full)
+    floor = run_path(case, None, device=cpu, start_from=full)
+    measured = _check_all(case, full, floor, recompute, Tolerance(regime=case.dtype))
+    assert [(p.name, p.passed) for p in measured] == \
+        [(p.name, p.passed) for p in verdict.properties]
+
+
+def test_a_failing_verdict_measures_the_floor_for_its_figures() -> None:
+    from gradequiv.harness import resolve, verify
+
+    verdict = verify(resolve("gradequiv.harness.implementations.faults:no_rng_restore"),
+                     find_case("1L-layer-dropout"))
+    assert not verdict.passed and verdict.floor_measured and "floor" in verdict.seconds

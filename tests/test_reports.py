@@ -77,7 +77,10 @@ def test_markdown_puts_the_verdict_first_and_the_reproduce_command_in(
     assert "ULPs" in text and "Random sites exercised" in text
     assert "**Noise floor:** the two full-storage runs differ by at most 0 " in text
     main(["report", str(reports["pass"]), "--format", "md"])
-    assert (reports["pass"] / "report.md").read_text().startswith("## gradequiv: PASS")
+    passed = (reports["pass"] / "report.md").read_text()
+    assert passed.startswith("## gradequiv: PASS")
+    # every case passed against a zero floor: none ran the floor path, and it says so
+    assert "**Noise floor:** not measured: every case passed against a floor of zero" in passed
 
 
 def test_junit_has_one_testcase_per_property_and_family_with_the_minimal_case(

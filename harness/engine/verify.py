@@ -206,15 +206,19 @@ def verify(
     device: str | torch.device = "cpu",
     tolerance: Tolerance | None = None,
     floor_when_needed: bool = False,
+    always_floor: bool = False,
     watch_memory: bool = True,
     first_step_only: bool = False,
 ) -> Verdict:
     """Check ``impl`` on ``case`` against full storage; never raises for the impl's faults.
 
-    ``floor_when_needed``: run the noise-floor path only where it can change the verdict
-    (a tensor off by more than a reordered sum may be, and no more than the dtype's cap):
-    the same verdict, a third cheaper, without the floor's figures where it was not run
-    (``Verdict.floor_measured``). For the cases tried while a failure is shrunk.
+    The noise-floor path (full storage again) runs only for a verdict that fails against
+    a floor of zero: one that passes there passes at any floor, a third cheaper
+    (``Verdict.floor_measured`` says whether it ran). ``floor_when_needed``: a failing
+    verdict measures it only where it can change the verdict (a tensor off by more than a
+    reordered sum, and by no more than the dtype's cap): the same verdict, without the
+    floor's figures. For the cases tried while a failure is shrunk. ``always_floor``: run
+    it for every verdict (a ``--deterministic`` run reports the floor it leaves).
     ``watch_memory=False``: no storage is watched (about a third cheaper again), and the
     recompute property, which reads them, is not checked (``Verdict.memory_watched``);
     ``first_step_only``: one optimizer step (half the work), and the properties that read
@@ -262,10 +266,15 @@ def verify(
                                  compiled=impl.compiled.settings if impl.compiled else None)
             floor: PathRun | None = None
             quick: list[PropertyResult] | None = None  # the checks against a zero floor
-            if floor_when_needed and recompute.error is None and not impl.compiled:
+            if recompute.error is None and not impl.compiled:
+                # A verdict that passes at a zero floor passes at any: the floor only
+                # raises bounds. A failing one measures it, for its figures, unless it is a
+                # shrink try the floor cannot change.
                 quick = _check_all(case, full, full, recompute, tolerance,
                                    selective=impl.selective)
-                if _floor_matters(quick, tolerance):
+                held = all(p.passed is not False for p in quick)
+                if always_floor or not held and (
+                        not floor_when_needed or _floor_matters(quick, tolerance)):
                     quick = None
             if quick is None:
                 global_state.restore(clean)

@@ -125,8 +125,13 @@ def _floor(report: dict[str, Any]) -> list[str]:
     if floor is None:
         return []
     switch = "on" if report["conditions"].get("deterministic_algorithms") else "off"
+    cases = report["statistics"].get("noise_floor_cases")
+    if cases == 0:
+        return [f"- **Noise floor:** not measured: every case passed against a floor of zero, "
+                f"the strictest bound (deterministic algorithms {switch})."]
+    over = "" if cases is None else f"; over the {cases} case(s) that ran it"
     return [f"- **Noise floor:** the two full-storage runs differ by at most {floor:.3g} "
-            f"(relative; deterministic algorithms {switch})."]
+            f"(relative{over}; deterministic algorithms {switch})."]
 
 
 def _conditions(conditions: dict[str, Any]) -> str:

@@ -150,7 +150,7 @@ def verdict_record(impl: Implementation, verdict: Verdict, device: torch.device,
         "held_on": verdict.held_on,
         "properties": properties,
     }
-    if not verdict.floor_measured:  # not needed for this verdict; its figures read 0
+    if not verdict.floor_measured:  # it passed at a zero floor, or the floor cannot matter
         record["floor_measured"] = False
     if not verdict.passed:  # every gradient's error, for a heatmap of where the fault sits
         record["gradient_errors"] = {
@@ -348,20 +348,23 @@ def _statistics(records: list[dict[str, Any]]) -> dict[str, Any]:
     floor (the two full-storage runs' own disagreement: zero where kernels are deterministic)."""
     regimes: dict[str, int] = {}
     worst = floor = 0.0
+    measured = 0  # cases whose floor path ran (a verdict passing at a zero floor needs none)
     for record in records:
         case = record["case"]
         for key in (f"dtype {case['dtype']}", f"granularity {case['granularity']}"):
             regimes[key] = regimes.get(key, 0) + 1
+        floored = record.get("floor_measured", True)
+        measured += floored
         for prop in record["properties"]:
-            if isinstance(prop.get("max_floor"), float):  # over every tensor, not the kept
+            if floored and isinstance(prop.get("max_floor"), float):  # every tensor's
                 floor = max(floor, prop["max_floor"])
             for check in prop["checks"]:
                 if isinstance(check["rel_error"], float):
                     worst = max(worst, check["rel_error"])
-                if isinstance(check["floor"], float):
+                if floored and isinstance(check["floor"], float):
                     floor = max(floor, check["floor"])
     return {"cases_per_regime": dict(sorted(regimes.items())), "worst_relative_error": worst,
-            "max_noise_floor": floor}
+            "max_noise_floor": floor, "noise_floor_cases": measured}
 
 
 def first_mismatch(record: dict[str, Any]) -> dict[str, Any] | None:
