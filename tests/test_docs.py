@@ -1,8 +1,9 @@
 """The docs' code blocks as written: every Python block compiles, and every ``gradequiv``
 command line in a shell block parses with the command line's own parser (an option that no
 longer exists, or one a command requires and the line leaves out, is exit 2 for a reader
-who copies it). The README's blocks are run in full (``tests/test_readme.py``); these are
-read, not run: most need a user's module, a library or minutes."""
+who copies it). Every block of the reference says how it is checked (``doc_blocks``), and
+in the slow run each is run, saved, compared with the file it excerpts, or skipped for the
+reason it gives; the README's blocks run in the default suite (``tests/test_readme.py``)."""
 
 from __future__ import annotations
 
@@ -10,9 +11,11 @@ import contextlib
 import io
 import re
 import shlex
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
+from doc_blocks import read_page, run_page
 
 from gradequiv.harness import InvalidArgument
 from gradequiv.harness.cli import build_parser
@@ -74,3 +77,27 @@ def test_every_command_line_parses(line: str, argv: list[str]) -> None:
             build_parser().parse_args(argv)
     except (SystemExit, InvalidArgument) as exc:
         pytest.fail(f"{line!r} does not parse: {exc} {err.getvalue()}")
+
+
+REFERENCE = ROOT / "docs" / "reference.md"
+
+
+def test_every_block_of_the_reference_says_how_it_is_checked() -> None:
+    page = read_page(REFERENCE)
+    assert page.unmarked == [], f"reference.md: unmarked blocks at lines {page.unmarked}"
+    assert len(page.blocks) >= 20
+
+
+def test_an_excerpt_that_is_not_in_its_file_is_caught(tmp_path: Path) -> None:
+    page = read_page(REFERENCE)
+    excerpt = next(b for b in page.blocks if "excerpt" in b.attrs)
+    page.blocks = [replace(excerpt, text=excerpt.text.replace("# the bug", "# a bug"))]
+    with pytest.raises(AssertionError, match="not word for word"):
+        run_page(page, tmp_path)
+
+
+@pytest.mark.slow
+def test_every_block_of_the_reference_runs_as_written(tmp_path: Path) -> None:
+    """Minutes (the hand-written checkpoint's whole failing run, the libraries' models):
+    in CI's slow run."""
+    assert run_page(read_page(REFERENCE), tmp_path) >= 10
