@@ -26,7 +26,7 @@ from gradequiv.models.user_model import UserModel
 __all__ = ["LIBRARY_PREFIXES", "import_transformers", "library_factory", "transformers_model"]
 
 #: ``--model PREFIX:NAME`` routes to a library's architecture instead of a factory.
-LIBRARY_PREFIXES = ("hf",)
+LIBRARY_PREFIXES = ("hf", "diffusers")
 
 BATCH, SEQ, LABELS_SEQ, IMAGE = 2, 8, 6, 32
 
@@ -59,6 +59,10 @@ def library_factory(spec: str) -> Callable[[int], UserModel] | None:
     prefix, _, name = spec.partition(":")
     if prefix == "hf":
         return functools.partial(transformers_model, name)
+    if prefix == "diffusers":
+        from gradequiv.models.diffusers_models import diffusers_model
+
+        return functools.partial(diffusers_model, name)
     return None
 
 

@@ -32,6 +32,7 @@ EXTRAS = {
     "deepspeed-nonreentrant": ("deepspeed", "deepspeed"),
     "megatron": ("megatron", "megatron-core"),
     "hf": ("hf", "transformers"),
+    "diffusers": ("diffusers", "diffusers"),
 }
 
 
@@ -167,6 +168,8 @@ def require(spec: str) -> None:
         _megatron()
     elif spec == "hf":
         _library(spec, "transformers.modeling_layers")
+    elif spec == "diffusers":
+        _library(spec, "diffusers")
 
 
 # -- transformers: the model's own gradient checkpointing (a toggle) ---------------------
@@ -198,3 +201,39 @@ def hf_gradient_checkpointing(model: nn.Module, *, segments: list[str] | None = 
     for module in model.modules():
         if isinstance(module, layers.GradientCheckpointingLayer) and id(module) not in chosen:
             module.gradient_checkpointing = False
+
+
+# -- diffusers: the model's own gradient checkpointing (a toggle) -------------------------
+
+DIFFUSERS_NEEDS_MODEL = (
+    "--impl='diffusers' toggles a diffusers model's own checkpointing: add --model "
+    "diffusers:UNet2DModel (or another diffusers:NAME, or a factory of your own ModelMixin)")
+
+
+def diffusers_gradient_checkpointing(model: nn.Module, *, segments: list[str] | None = None,
+                                     **checkpoint_kwargs: Any) -> None:
+    """``model.enable_gradient_checkpointing()`` of a diffusers model, as users call it.
+
+    Without options it is the library's own default function (torch's non-reentrant
+    checkpoint of each module it hands over); ``--impl-kwarg`` options go to torch's
+    checkpoint instead (``use_reentrant=true``). diffusers checkpoints every module its
+    blocks hand to the function; those not among ``segments`` (the selected segments'
+    dotted names) are called plainly, so ``every:2`` means every second one here too.
+    """
+    _library("diffusers", "diffusers")
+    enable = getattr(model, "enable_gradient_checkpointing", None)
+    if enable is None or not hasattr(model, "config"):
+        raise InvalidArgument(DIFFUSERS_NEEDS_MODEL)
+    if segments is None and not checkpoint_kwargs:
+        enable()
+        return
+    chosen = None if segments is None else {id(model.get_submodule(n)) for n in segments}
+    options = {"use_reentrant": False, **checkpoint_kwargs}
+
+    def checkpointing(module: Any, *args: Any) -> Any:
+        owner = getattr(module, "__self__", module)
+        if chosen is not None and id(owner) not in chosen:
+            return module(*args)
+        return torch.utils.checkpoint.checkpoint(module.__call__, *args, **options)
+
+    enable(gradient_checkpointing_func=checkpointing)

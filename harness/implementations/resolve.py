@@ -41,6 +41,7 @@ BUILTINS: dict[str, tuple[str, str]] = {
     "deepspeed-nonreentrant": ("libraries:deepspeed_nonreentrant", "function"),
     "megatron": ("libraries:megatron_checkpoint", "function"),
     "hf": ("libraries:hf_gradient_checkpointing", "toggle"),
+    "diffusers": ("libraries:diffusers_gradient_checkpointing", "toggle"),
 }
 
 
