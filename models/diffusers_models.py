@@ -12,7 +12,6 @@ then turns the library's checkpointing on as its users do.
 
 from __future__ import annotations
 
-import importlib
 import warnings
 from collections.abc import Callable
 from typing import Any
@@ -22,6 +21,7 @@ from torch import Tensor, nn
 from torch.nn import functional as F
 
 from gradequiv.harness.errors import InvalidArgument
+from gradequiv.models.library_import import import_library
 from gradequiv.models.user_model import UserModel
 
 __all__ = ["ARCHITECTURES", "checkpointed_modules", "diffusers_model"]
@@ -48,17 +48,6 @@ ARCHITECTURES: dict[str, tuple[dict[str, Any], str]] = {
         "out_channels": 4, "num_layers": 2, "dropout": 0.1, "norm_num_groups": 4,
         "sample_size": SIZE, "patch_size": 2, "num_embeds_ada_norm": 10}, "class"),
 }
-
-
-def _import_diffusers() -> Any:
-    try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            return importlib.import_module("diffusers")
-    except ImportError as exc:
-        raise InvalidArgument(
-            f"--model diffusers:... needs diffusers ({exc}); install it with: "
-            f"pip install 'gradequiv[diffusers]'") from exc
 
 
 def _batch(name: str, config: Any, conditioning: str, seed: int
@@ -105,7 +94,7 @@ def checkpointed_modules(model: nn.Module, inputs: dict[str, Tensor | None]) -> 
 def diffusers_model(name: str, seed: int) -> UserModel:
     """``diffusers:NAME``: the diffusers class ``NAME``, tiny, its denoising loss, and the
     modules its own checkpointing wraps as segments."""
-    diffusers = _import_diffusers()
+    diffusers = import_library("diffusers", "diffusers:...", "diffusers")
     if name not in ARCHITECTURES:
         cls = getattr(diffusers, name, None)
         known = ", ".join(ARCHITECTURES)

@@ -21,6 +21,7 @@ import torch
 from torch import Tensor
 
 from gradequiv.harness.errors import InvalidArgument
+from gradequiv.models.library_import import import_library
 from gradequiv.models.user_model import UserModel
 
 __all__ = ["LIBRARY_PREFIXES", "import_transformers", "library_factory", "transformers_model"]
@@ -68,14 +69,7 @@ def library_factory(spec: str) -> Callable[[int], UserModel] | None:
 
 def import_transformers(route: str) -> Any:
     """transformers, imported quietly; its absence is a usage error naming ``route``."""
-    try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            return importlib.import_module("transformers")
-    except ImportError as exc:
-        raise InvalidArgument(
-            f"--model {route} needs transformers ({exc}); install it with: "
-            f"pip install 'gradequiv[hf]'") from exc
+    return import_library("transformers", route, "hf")
 
 
 def _architecture(transformers: Any, name: str) -> Any:
