@@ -214,3 +214,45 @@ def test_a_verdict_for_a_shrink_try_judges_what_its_data_supports(
         first = verify(impl, CASE, watch_memory=False, first_step_only=True)
         assert first.first_step_only and not made
         assert statuses(first) == whole | {"recompute": None, "rng": None, "trajectory": None}
+
+
+def _check(name: str, scale: float, rel_error: float, passed: bool = False) -> object:
+    from gradequiv.harness.engine.verify import TensorCheck
+
+    return TensorCheck("gradients", name, passed, rel_error, 9.5e-7, 0.0, rel_error * scale,
+                       1.0, 1, 1, 1, None, scale)
+
+
+def test_a_gradient_that_is_zero_but_for_rounding_is_evidence_not_a_fault() -> None:
+    """A key projection's bias gets a gradient softmax cancels: 1e-15 on one path, 8e-15 on
+    the other, relative error about 1. Against the step's gradients together it is rounding
+    noise; a gradient of a scale that matters, off by as much, still fails."""
+    from gradequiv.harness.engine.verify import PropertyResult, _rounding_noise
+
+    noise = _check("grad of layers.0.attn.k_proj.bias", 8e-15, 0.9)
+    small = _check("grad of layers.0.norm.bias", 1e-4, 0.9)  # small, and a real value
+    weight = _check("weight after step 2: layers.0.attn.k_proj.bias", 1e-16, 0.5)
+    result = PropertyResult("gradients", False, checks=[
+        _check("grad of layers.0.attn.q_proj.weight", 1.0, 1e-8, passed=True), noise, small,
+        _check("step 2 grad of layers.0.attn.k_proj.bias", 1e-3, 0.9),
+        _check("step 2 grad of layers.0.attn.q_proj.weight", 1e-3, 1e-8, passed=True),
+        _check("weight after step 2: layers.0.attn.q_proj.weight", 5.0, 1e-8, passed=True),
+        weight])
+    # the step-2 bias is noise of nothing: its step's gradients are of its own scale
+    assert _rounding_noise(result) == [noise, weight]
+
+
+def test_bart_under_reentrant_checkpoint_passes_with_its_cancelled_key_bias() -> None:
+    """Bart's key-projection biases get gradients softmax cancels (about 1e-15), summed in
+    another order by a reentrant re-run: no fault, where every other tensor is within its
+    fp32 bound."""
+    pytest.importorskip("transformers")
+    from gradequiv.models import ExternalConfig
+
+    case = Case(model=ExternalConfig("hf:BartForConditionalGeneration"),
+                granularity=parse_granularity("layer"))
+    verdict = verify(resolve("hf", kwargs={"use_reentrant": True}), case)
+    assert verdict.passed, verdict.first_failure
+    gradients = next(p for p in verdict.properties if p.name == "gradients")
+    assert "evidence, not a fault: grad of model.encoder.layers.0.self_attn.k_proj.bias" \
+        in gradients.summary
