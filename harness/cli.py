@@ -180,6 +180,29 @@ def build_parser() -> argparse.ArgumentParser:
                       help="the case to train (default %(default)s)")
     dist.add_argument("--timeout", type=_tolerance("--timeout"), default=300.0, metavar="SECONDS",
                       help="kill the ranks after this long (default %(default)s)")
+    zoo = commands.add_parser(
+        "zoo", help="every architecture of a library through its own checkpointing: a table")
+    zoo.add_argument("--library", required=True, choices=("transformers", "timm", "diffusers"),
+                     help="whose architectures (transformers only, for now)")
+    zoo.add_argument("--arch", action="append", default=None, metavar="PATTERN",
+                     help="only the classes whose name matches (fnmatch, case-sensitive, "
+                          "e.g. '*ForCausalLM'; repeatable)")
+    zoo.add_argument("--limit", type=_count("--limit"), default=None, metavar="N",
+                     help="only the first N, in sorted order")
+    zoo.add_argument("--out", type=Path, default=None, metavar="FILE",
+                     help="the Markdown table (default docs/zoo-transformers.md; with "
+                          "--check: none)")
+    zoo.add_argument("--json", type=Path, default=None, metavar="FILE",
+                     help="the same rows as JSON")
+    zoo.add_argument("--check", type=Path, default=None, metavar="FILE",
+                     help="re-run the architectures of a table (or JSON) this command wrote, "
+                          "those matching --arch where given; exit 1 where a verdict differs")
+    zoo.add_argument("--seconds-per-arch", type=_count("--seconds-per-arch"), default=120,
+                     metavar="S", help="stop an architecture's checks after this long and "
+                                       "say so in its row (default %(default)s)")
+    zoo.add_argument("--threads", default=None, metavar="N|auto",
+                     help="torch's intra-op threads (default 1, or GRADEQUIV_THREADS, as "
+                          "for check)")
     report = commands.add_parser(
         "report", help="render a report folder as Markdown, HTML or JUnit XML")
     report.add_argument("folder", type=Path, metavar="DIR",
@@ -282,7 +305,7 @@ def _say_leftovers() -> None:
 
 #: subcommand -> its module in gradequiv.harness.commands
 _MODULES = {"mutants": "mutants", "profile": "profiling", "distributed": "distributed",
-            "report": "render"}
+            "report": "render", "zoo": "zoo"}
 
 
 def options_from_args(args: argparse.Namespace) -> CheckOptions:

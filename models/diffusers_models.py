@@ -94,7 +94,7 @@ def checkpointed_modules(model: nn.Module, inputs: dict[str, Tensor | None]) -> 
 def diffusers_model(name: str, seed: int) -> UserModel:
     """``diffusers:NAME``: the diffusers class ``NAME``, tiny, its denoising loss, and the
     modules its own checkpointing wraps as segments."""
-    diffusers = import_library("diffusers", "diffusers:...", "diffusers")
+    diffusers = import_library("diffusers", "--model diffusers:...", "diffusers")
     if name not in ARCHITECTURES:
         cls = getattr(diffusers, name, None)
         known = ", ".join(ARCHITECTURES)

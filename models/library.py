@@ -50,6 +50,10 @@ DROPOUT = ("hidden_dropout_prob", "attention_probs_dropout_prob", "attention_dro
            "dropout", "resid_pdrop", "embd_pdrop", "attn_pdrop", "hidden_dropout",
            "activation_dropout", "dropout_rate")
 
+#: Parameters a model built by the route may have: one of its config's full size (a
+#: sub-config the route does not shrink) would take minutes and gigabytes to check.
+MAX_PARAMETERS = 10_000_000
+
 #: The heads whose loss a batch of labels defines, by the class name's ending.
 _HEADS = ("ForCausalLM", "LMHeadModel", "ForMaskedLM", "ForConditionalGeneration",
           "ForSequenceClassification", "ForTokenClassification", "ForImageClassification")
@@ -69,7 +73,7 @@ def library_factory(spec: str) -> Callable[[int], UserModel] | None:
 
 def import_transformers(route: str) -> Any:
     """transformers, imported quietly; its absence is a usage error naming ``route``."""
-    return import_library("transformers", route, "hf")
+    return import_library("transformers", f"--model {route}", "hf")
 
 
 def _architecture(transformers: Any, name: str) -> Any:
@@ -108,6 +112,20 @@ def tiny_config(config_class: Any) -> Any:
         # labels are shifted right into decoder inputs from this id (T5 keeps it elsewhere)
         knobs["decoder_start_token_id"] = knobs.get("pad_token_id", default.pad_token_id or 0)
     return config_class(**knobs, attn_implementation="eager", use_cache=False)
+
+
+def _too_large(cls: Any, config: Any) -> str:
+    """Why ``cls(config)`` is no tiny model ("" where it is): its parameters counted on the
+    meta device, which allocates nothing."""
+    with torch.device("meta"):
+        count = sum(p.numel() for p in cls(config).parameters())
+    if count <= MAX_PARAMETERS:
+        return ""
+    nested = [k for k in getattr(config, "sub_configs", {}) if getattr(config, k, None)]
+    why = (f"the route shrinks the top-level config only, and {', '.join(nested)} keep "
+           f"their full sizes" if nested else "a size the route does not shrink")
+    return (f"{count:,} parameters as the route builds it, more than a tiny model's "
+            f"{MAX_PARAMETERS:,}: {why}")
 
 
 def _batch(cls: Any, name: str, config: Any, seed: int) -> dict[str, Tensor | None]:
@@ -164,12 +182,16 @@ def transformers_model(name: str, seed: int) -> UserModel:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             config = tiny_config(cls.config_class)
-            model = cls(config)
+            too_large = _too_large(cls, config)
+            model = None if too_large else cls(config)
     except Exception as exc:  # a config that cannot be shrunk this way: say which and why
         raise InvalidArgument(
             f"--model='hf:{name}' could not be built tiny from {cls.config_class.__name__} "
             f"({type(exc).__name__}: {exc}); write a factory with a config of your own "
             f"(docs/reference.md, 'Your own model')") from exc
+    if model is None:
+        raise InvalidArgument(f"--model='hf:{name}': {too_large}; write a factory with a "
+                              f"config of your own (docs/reference.md, 'Your own model')")
     inputs = _batch(cls, name, config, seed)
     labels = inputs["labels"]
     assert labels is not None

@@ -1,5 +1,5 @@
 """A library a route builds its models from, imported quietly (libraries warn on import),
-its absence a usage error that names the route and the extra that installs it."""
+its absence a usage error that names the option and the extra that installs it."""
 
 from __future__ import annotations
 
@@ -12,13 +12,14 @@ from gradequiv.harness.errors import InvalidArgument
 __all__ = ["import_library"]
 
 
-def import_library(module: str, route: str, extra: str) -> Any:
-    """``module``, imported with its warnings silenced, for ``--model route``."""
+def import_library(module: str, needed_by: str, extra: str) -> Any:
+    """``module``, imported with its warnings silenced, for ``needed_by`` (an option as
+    written: ``--model hf:...``)."""
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             return importlib.import_module(module)
     except ImportError as exc:
         raise InvalidArgument(
-            f"--model {route} needs {module} ({exc}); install it with: "
+            f"{needed_by} needs {module} ({exc}); install it with: "
             f"pip install 'gradequiv[{extra}]'") from exc
