@@ -94,10 +94,18 @@ def _architecture(transformers: Any, name: str) -> Any:
     return cls
 
 
-def tiny_config(config_class: Any) -> Any:
+def tiny_config(config_class: Any, *, nested: bool = False) -> Any:
     """The architecture's own config, shrunk: the knobs of ``SMALL`` it has, dropout on,
-    eager attention, no cache, and special token ids inside the small vocabulary."""
+    eager attention, no cache, and special token ids inside the small vocabulary.
+    ``nested``: its sub-configs (a multimodal model's ``text_config``, ``vision_config``)
+    shrunk the same way too."""
     default = config_class()
+    knobs = _small_knobs(default, nested)
+    return config_class(**knobs, attn_implementation="eager", use_cache=False)
+
+
+def _small_knobs(default: Any, nested: bool) -> dict[str, Any]:
+    """The knobs that shrink ``default`` (a config), and its sub-configs' where ``nested``."""
     knobs = {k: v for k, v in SMALL.items() if hasattr(default, k)}
     knobs |= {k: 0.1 for k in DROPOUT if isinstance(getattr(default, k, None), float)}
     vocab = knobs.get("vocab_size", getattr(default, "vocab_size", None))
@@ -111,7 +119,13 @@ def tiny_config(config_class: Any) -> Any:
             getattr(default, "decoder_start_token_id", None) is None:
         # labels are shifted right into decoder inputs from this id (T5 keeps it elsewhere)
         knobs["decoder_start_token_id"] = knobs.get("pad_token_id", default.pad_token_id or 0)
-    return config_class(**knobs, attn_implementation="eager", use_cache=False)
+    if nested:
+        for key in getattr(default, "sub_configs", {}):
+            inner = getattr(default, key, None)
+            if inner is not None and hasattr(inner, "to_dict"):
+                given = {k: v for k, v in inner.to_dict().items() if k != "layer_types"}
+                knobs[key] = given | _small_knobs(inner, nested)  # layer types: per layer
+    return knobs
 
 
 def _too_large(cls: Any, config: Any) -> str:
@@ -121,9 +135,7 @@ def _too_large(cls: Any, config: Any) -> str:
         count = sum(p.numel() for p in cls(config).parameters())
     if count <= MAX_PARAMETERS:
         return ""
-    nested = [k for k in getattr(config, "sub_configs", {}) if getattr(config, k, None)]
-    why = (f"the route shrinks the top-level config only, and {', '.join(nested)} keep "
-           f"their full sizes" if nested else "a size the route does not shrink")
+    why = "a size the route does not shrink"
     return (f"{count:,} parameters as the route builds it, more than a tiny model's "
             f"{MAX_PARAMETERS:,}: {why}")
 
@@ -133,16 +145,18 @@ def _batch(cls: Any, name: str, config: Any, seed: int) -> dict[str, Tensor | No
     gen = torch.Generator().manual_seed(seed)
     main = getattr(cls, "main_input_name", "input_ids")
     vocab = getattr(config, "vocab_size", None)
+    if vocab is None and hasattr(config, "get_text_config"):  # a multimodal model's text
+        vocab = getattr(config.get_text_config(), "vocab_size", None)
     if main == "input_ids" and isinstance(vocab, int):
         tokens = torch.randint(4, vocab, (BATCH, SEQ), generator=gen)  # no special ids
         inputs: dict[str, Tensor | None] = {"input_ids": tokens}
-        if name.endswith("ForConditionalGeneration"):
+        if name.endswith("ForConditionalGeneration") and config.is_encoder_decoder:
             labels = torch.randint(4, vocab, (BATCH, LABELS_SEQ), generator=gen)
         elif name.endswith("ForSequenceClassification"):
             labels = torch.randint(0, config.num_labels, (BATCH,), generator=gen)
         elif name.endswith("ForTokenClassification"):
             labels = torch.randint(0, config.num_labels, (BATCH, SEQ), generator=gen)
-        else:  # a language-model head: the tokens themselves (shifted inside, if causal)
+        else:  # a language-model head (a multimodal decoder's too): the tokens themselves
             labels = tokens.clone()
         return inputs | {"labels": labels}
     if main == "pixel_values" and name.endswith("ForImageClassification"):
@@ -183,6 +197,9 @@ def transformers_model(name: str, seed: int) -> UserModel:
             warnings.simplefilter("ignore")
             config = tiny_config(cls.config_class)
             too_large = _too_large(cls, config)
+            if too_large and getattr(config, "sub_configs", None):
+                config = tiny_config(cls.config_class, nested=True)  # shrunk all through
+                too_large = _too_large(cls, config)
             model = None if too_large else cls(config)
     except Exception as exc:  # a config that cannot be shrunk this way: say which and why
         raise InvalidArgument(
