@@ -837,8 +837,9 @@ def _check_leaks(full: PathRun, rc: PathRun, result: PropertyResult) -> None:
             result.failures.append(
                 f"step {k}: {left_rc} bytes made in the step were still alive after its "
                 f"backward on the recompute path ({left_full} with full storage): the "
-                f"implementation keeps activations or graphs past backward, a leak that "
-                f"grows with every step")
+                f"implementation (or a model that stores what its re-run makes) keeps "
+                f"activations or graphs past backward: a leak that grows with every step, "
+                f"or memory held until the next forward")
             return
 
 

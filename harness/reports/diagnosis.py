@@ -293,7 +293,8 @@ def _cause(failure: dict[str, Any], record: dict[str, Any] | None,
                                    "storage (the segments' activations are still kept)")
     if said["a leak"]:
         return "leak", ("the recompute keeps memory alive past backward: bytes made in the "
-                        "step outlive it, and grow with every step")
+                        "step outlive it (growing with every step, or held until the next "
+                        "forward where the model stores what its re-run makes)")
     if said["recomputed earlier for"]:
         return "recomputed-held", (
             f"the recompute keeps recomputed activations alive until the whole backward ends "
