@@ -135,9 +135,8 @@ def _too_large(cls: Any, config: Any) -> str:
         count = sum(p.numel() for p in cls(config).parameters())
     if count <= MAX_PARAMETERS:
         return ""
-    why = "a size the route does not shrink"
     return (f"{count:,} parameters as the route builds it, more than a tiny model's "
-            f"{MAX_PARAMETERS:,}: {why}")
+            f"{MAX_PARAMETERS:,}: a size the route does not shrink")
 
 
 def _batch(cls: Any, name: str, config: Any, seed: int) -> dict[str, Tensor | None]:

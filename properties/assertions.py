@@ -12,10 +12,10 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
-import torch
 from hypothesis import currently_in_test_context, event, reject, target
 
 from gradequiv.harness import Case, Implementation, Verdict, verify
+from gradequiv.harness.engine.verify import verify_without_autocast_cache
 from gradequiv.harness.reports.diagnosis import divergence_cause
 from gradequiv.harness.reports.report import (
     SHRINK_KEY,
@@ -217,12 +217,8 @@ def _holds_without_autocast_cache(impl: Implementation, case: Case, prop: str) -
     where full storage casts each use and sums in float32."""
     if not case.dtype.endswith("-autocast") or prop not in ("gradients", "trajectory"):
         return False
-    before = torch.is_autocast_cache_enabled()
-    torch.set_autocast_cache_enabled(False)  # each torch.autocast() reads it as its default
-    try:
-        return _failure(prop, verify(impl, case, device=runtime.RUN.device())) == ""
-    finally:
-        torch.set_autocast_cache_enabled(before)
+    return _failure(prop, verify_without_autocast_cache(
+        impl, case, device=runtime.RUN.device())) == ""
 
 
 #: What the evidence says where step 1's recomputed ops all match and a property still fails.

@@ -257,7 +257,7 @@ def _diagnosis(impl: Any, case: Any, verdict: Any, failing: list[str]) -> tuple[
     import torch
 
     from gradequiv.harness.engine.localise import localise
-    from gradequiv.harness.engine.verify import verify
+    from gradequiv.harness.engine.verify import verify_without_autocast_cache
     from gradequiv.harness.reports.diagnosis import diagnose
     from gradequiv.harness.reports.report import verdict_record
 
@@ -272,12 +272,8 @@ def _diagnosis(impl: Any, case: Any, verdict: Any, failing: list[str]) -> tuple[
         if (found.divergence is None and verdict.error is None and failing
                 and case.dtype.endswith("-autocast")
                 and set(failing) <= {"gradients", "trajectory"}):
-            before = torch.is_autocast_cache_enabled()
-            torch.set_autocast_cache_enabled(False)  # each torch.autocast() reads it
-            try:
-                failure["needs_autocast_cache"] = verify(impl, case, device=device).passed
-            finally:
-                torch.set_autocast_cache_enabled(before)
+            failure["needs_autocast_cache"] = verify_without_autocast_cache(
+                impl, case, device=device).passed
     except Exception:  # the diagnosis reads what evidence there is
         pass
     diagnosis = diagnose(failure, verdict_record(impl, verdict, device))

@@ -334,6 +334,21 @@ def verify(
     return verdict
 
 
+def verify_without_autocast_cache(impl: Implementation, case: Case, *,
+                                  device: str | torch.device = "cpu") -> Verdict:
+    """``verify`` with autocast's cast cache off on both paths: a re-run whose inputs are
+    leaves that require grad (a reentrant checkpoint detaches them) gets one cached cast
+    for all their uses, so their gradients are summed in the low precision, where full
+    storage casts each use and sums in float32. Where the verdict passes only this way,
+    the cache is the whole difference (cause ``autocast-cast-cache``)."""
+    before = torch.is_autocast_cache_enabled()
+    torch.set_autocast_cache_enabled(False)  # each torch.autocast() reads it as its default
+    try:
+        return verify(impl, case, device=device)
+    finally:
+        torch.set_autocast_cache_enabled(before)
+
+
 def _regime_declared(case: Case) -> str:
     """Why a user's model is not checked in the case's precision regime: its factory
     declares the regimes it runs (``UserModel.regimes``) and this is none of them ("" where
