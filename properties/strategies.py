@@ -9,6 +9,7 @@ restoration.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import replace
 from typing import Any
 
@@ -59,6 +60,43 @@ __all__ = [
 #: Reference models a case can be drawn for (by another name, kept for callers of this module).
 MODELS = DRAWN_MODELS
 
+# Every strategy below is built once per set of arguments and kept: a strategy is immutable,
+# and Hypothesis validates each new one on its first draw, which made up a third of a
+# case's draw (shrinking draws hundreds of cases). Kept ones draw exactly the same choices.
+_cached = functools.lru_cache(maxsize=None)
+
+
+@_cached
+def _one_of(options: tuple[Any, ...]) -> st.SearchStrategy[Any]:
+    return st.sampled_from(options)
+
+
+_BOOLEANS = st.booleans()
+_integers = _cached(st.integers)
+_TRUE_FIRST = st.booleans().map(lambda b: not b)  # shrinks towards True
+
+
+@_cached
+def _granularity_of(kinds: tuple[str, ...]) -> st.SearchStrategy[Granularity]:
+    return st.sampled_from(kinds).map(parse_granularity)
+
+
+def _layer_or_every(n_layer: int) -> st.SearchStrategy[Granularity]:
+    return _granularity_of(("layer", *(f"every:{k}" for k in range(2, n_layer + 1))))
+
+
+@_cached
+def _kept_call(factory: Any, kwargs: tuple[tuple[str, Any], ...]) -> Any:
+    return factory(**dict(kwargs))
+
+
+def _kept(factory: Any, **kwargs: Any) -> Any:
+    """``factory(**kwargs)``, the strategy built once per arguments where they hash."""
+    try:
+        return _kept_call(factory, tuple(sorted(kwargs.items())))
+    except TypeError:  # an unhashable argument: built anew
+        return factory(**kwargs)
+
 
 def _check_range(name: str, low: int, high: int, floor: int = 1) -> None:
     if not (isinstance(low, int) and isinstance(high, int)) or low < floor or high < low:
@@ -79,6 +117,7 @@ def _regime(choice: int, site: str, p: float) -> dict[str, float]:
     return {s: max(p, 0.3) for s in every}
 
 
+@_cached
 def dropout_regimes(*, max_p: float = 0.5) -> st.SearchStrategy[dict[str, float]]:
     """Return a strategy for dropout settings: config fields mapped to probabilities.
 
@@ -122,30 +161,30 @@ def transformer_configs(
         raise InvalidArgument(f"max_width={max_width!r}: must be at least 4")
     # Config field names known only at run time: the ** below cannot be checked per field.
     rates: dict[str, Any] = draw(dropout if dropout is not None else dropout_regimes())
-    n_layer = draw(st.integers(min_layers, max_layers))
-    n_head = draw(st.sampled_from([h for h in (1, 2, 4) if 4 * h <= max_width]))
-    head_dim = draw(st.sampled_from([d for d in (4, 8, 16, 32) if n_head * d <= max_width]))
+    n_layer = draw(_integers(min_layers, max_layers))
+    n_head = draw(_one_of(tuple(h for h in (1, 2, 4) if 4 * h <= max_width)))
+    head_dim = draw(_one_of(tuple(d for d in (4, 8, 16, 32) if n_head * d <= max_width)))
     return TransformerConfig(
         n_layer=n_layer,
         n_embd=n_head * head_dim,
         n_head=n_head,
-        ffn_mult=draw(st.sampled_from([2, 4])),
-        vocab_size=draw(st.sampled_from([32, 64, 256])),
+        ffn_mult=draw(_one_of((2, 4))),
+        vocab_size=draw(_one_of((32, 64, 256))),
         max_seq_len=64,
-        attention=draw(st.sampled_from(["sdpa", "manual"])),
-        norm=draw(st.sampled_from(["layernorm", "rmsnorm"])),
-        norm_position=draw(st.sampled_from(["pre", "post"])),
-        activation=draw(st.sampled_from(["gelu", "relu", "swiglu", "rrelu"])),
-        tie_embeddings=draw(st.booleans().map(lambda b: not b)),
-        bias=draw(st.booleans().map(lambda b: not b)),
-        aux_loss=draw(st.booleans()),
-        layer_repeats=draw(st.sampled_from([1, 2])),
-        x0_keyword=draw(st.booleans()),
-        running_stats=draw(st.booleans()),
-        nested_inputs=draw(st.booleans()),
-        inplace_ops=draw(st.booleans()),
-        value_hooks=draw(st.booleans()),
-        outside_params=draw(st.booleans()),
+        attention=draw(_one_of(("sdpa", "manual"))),
+        norm=draw(_one_of(("layernorm", "rmsnorm"))),
+        norm_position=draw(_one_of(("pre", "post"))),
+        activation=draw(_one_of(("gelu", "relu", "swiglu", "rrelu"))),
+        tie_embeddings=draw(_TRUE_FIRST),
+        bias=draw(_TRUE_FIRST),
+        aux_loss=draw(_BOOLEANS),
+        layer_repeats=draw(_one_of((1, 2))),
+        x0_keyword=draw(_BOOLEANS),
+        running_stats=draw(_BOOLEANS),
+        nested_inputs=draw(_BOOLEANS),
+        inplace_ops=draw(_BOOLEANS),
+        value_hooks=draw(_BOOLEANS),
+        outside_params=draw(_BOOLEANS),
         **rates,
     )
 
@@ -157,6 +196,7 @@ LARGE = TransformerConfig(n_layer=1, n_embd=256, n_head=4, max_seq_len=128)
 LARGE_BATCH = BatchConfig(batch_size=4, seq_len=128)
 
 
+@_cached
 def dtype_regimes(*, device: str = "cpu") -> st.SearchStrategy[str]:
     """Return a strategy for precision regimes: fp32, bf16 and fp16 autocast (a recompute
     must re-enter the caller's autocast dtype, not the device's default), and the model
@@ -167,6 +207,7 @@ def dtype_regimes(*, device: str = "cpu") -> st.SearchStrategy[str]:
     return st.sampled_from(DTYPES)
 
 
+@_cached
 def grad_modes(modes: tuple[str, ...] = GRAD_MODES) -> st.SearchStrategy[str]:
     """Return a strategy for how each step asks for gradients, among ``modes`` (an
     implementation's own: ``Implementation.grad_modes``). Shrinks towards
@@ -183,6 +224,7 @@ def grad_modes(modes: tuple[str, ...] = GRAD_MODES) -> st.SearchStrategy[str]:
 _OFF = 3
 
 
+@_cached
 def _one_in_four(plain: Any, others: tuple[Any, ...]) -> st.SearchStrategy[Any]:
     """``plain`` in _OFF draws of _OFF + 1, else one of ``others``; both draws made always,
     so the choices keep their places while shrinking; shrinks towards ``plain``."""
@@ -217,6 +259,7 @@ def training_loops(draw: st.DrawFn, *, mode: str = "backward", dtype: str = "fp3
     return loop
 
 
+@_cached
 def granularities(*, n_layers: int, include_none: bool = False) -> st.SearchStrategy[Granularity]:
     """Return a strategy for which segments recompute in a model of ``n_layers`` layers.
 
@@ -230,9 +273,10 @@ def granularities(*, n_layers: int, include_none: bool = False) -> st.SearchStra
         kinds += [f"group:{k}" for k in range(2, n_layers + 1)]
     if include_none:
         kinds.append("none")
-    return st.sampled_from(kinds).map(parse_granularity)
+    return _granularity_of(tuple(kinds))
 
 
+@_cached
 def batch_configs(*, max_batch: int = 4, max_seq_len: int = 32) -> st.SearchStrategy[BatchConfig]:
     """Return a strategy for the fixed batch's shape and padding.
 
@@ -248,6 +292,7 @@ def batch_configs(*, max_batch: int = 4, max_seq_len: int = 32) -> st.SearchStra
     )
 
 
+@_cached
 def seeds() -> st.SearchStrategy[int]:
     """Return a strategy for the seed of weights, batch and random stream; shrinks to 0."""
     return st.integers(0, 2**16 - 1)
@@ -262,21 +307,20 @@ def batchnorm_cases(draw: st.DrawFn, *, device: str = "cpu",
     needs). Shrinks towards one layer, width 8, no dropout, no in-place ops, two samples,
     fp32.
     """
-    n_layer = draw(st.integers(1, 3))
-    model = BatchNormConfig(n_layer=n_layer, width=draw(st.sampled_from([8, 16, 32])),
-                            dropout=draw(st.sampled_from([0.0, 0.1, 0.3])),
-                            inplace_ops=draw(st.booleans()))
-    granularity = draw(st.sampled_from(
-        ["layer"] + [f"every:{k}" for k in range(2, n_layer + 1)]).map(parse_granularity))
-    batch_size = draw(st.integers(2, 8))
+    n_layer = draw(_integers(1, 3))
+    model = BatchNormConfig(n_layer=n_layer, width=draw(_one_of((8, 16, 32))),
+                            dropout=draw(_one_of((0.0, 0.1, 0.3))),
+                            inplace_ops=draw(_BOOLEANS))
+    granularity = draw(_layer_or_every(n_layer))
+    batch_size = draw(_integers(2, 8))
     mode = draw(grad_modes(modes))
     mode = mode if mode != "accumulate" or batch_size >= 4 else "backward"
     dtype = draw(dtype_regimes(device=device))
     seed = draw(seeds())
-    inference = draw(st.booleans())
+    inference = draw(_BOOLEANS)
     # No schedule: BatchNorm needs 2 samples in each of its micro-batches
-    loop = draw(training_loops(mode=mode, dtype=dtype, trainable=("frozen-layer", "changing"),
-                               schedules=()))
+    loop = draw(_kept(training_loops, mode=mode, dtype=dtype,
+                      trainable=("frozen-layer", "changing"), schedules=()))
     return Case(model=model, batch=BatchConfig(batch_size=batch_size, seq_len=1),
                 granularity=granularity, dtype=dtype, seed=seed, grad_mode=mode,
                 inference=inference, **loop)
@@ -304,12 +348,12 @@ def external_cases(factory: str, *, device: str = "cpu",
     modes = tuple(m for m in modes if m != "create-graph")
     @st.composite
     def one(draw: st.DrawFn) -> Case:
-        granularity = draw(st.sampled_from(["toggle"] if toggle_chooses
-                                           else ["layer", "every:2"]).map(parse_granularity))
+        granularity = draw(_granularity_of(("toggle",) if toggle_chooses
+                                          else ("layer", "every:2")))
         dtype, seed, mode = draw(dtypes), draw(seeds()), draw(grad_modes(modes))
-        inference = draw(st.booleans())
+        inference = draw(_BOOLEANS)
         # the schedules and the loss in parts; which parameters train is the factory's
-        loop = draw(training_loops(mode=mode, dtype=dtype, trainable=()))
+        loop = draw(_kept(training_loops, mode=mode, dtype=dtype, trainable=()))
         if not dtype.endswith("-autocast"):  # the model's regimes say what it runs in
             loop["backward_autocast"] = False
         return Case(model=model, granularity=granularity, dtype=dtype, seed=seed,
@@ -364,13 +408,14 @@ def cases(
         raise InvalidArgument(
             f"models={models!r}: pick one or more of {', '.join(MODELS)}"
         )
-    kind = draw(st.sampled_from(models))
+    kind = draw(_one_of(tuple(models)))
     if kind == BATCHNORM:
-        return draw(batchnorm_cases(device=device, modes=modes))
-    model = draw(transformer_configs(max_layers=max_layers, max_width=max_width,
-                                     **config_kwargs))
+        drawn: Case = draw(_kept(batchnorm_cases, device=device, modes=modes))
+        return drawn
+    model = draw(_kept(transformer_configs, max_layers=max_layers, max_width=max_width,
+                       **config_kwargs))
     batch = draw(batch_configs(max_seq_len=max_seq_len))
-    if draw(st.integers(0, 7)) == 7:  # the large size: this model's knobs, the large shape
+    if draw(_integers(0, 7)) == 7:  # the large size: this model's knobs, the large shape
         model = replace(model, n_layer=LARGE.n_layer, n_embd=LARGE.n_embd,
                         n_head=LARGE.n_head, max_seq_len=LARGE.max_seq_len)
         batch = replace(LARGE_BATCH, padding=batch.padding)
@@ -383,19 +428,19 @@ def cases(
     if dtype.endswith("-autocast"):
         # The last layer under autocast(enabled=False) inside the autocast forward: the
         # autocast state differs between segments of one forward.
-        model = replace(model, fp32_last_layer=draw(st.booleans()))
+        model = replace(model, fp32_last_layer=draw(_BOOLEANS))
     granularity = draw(granularities(n_layers=model.n_layer))
     seed = draw(seeds())
     mode = draw(grad_modes(modes))
     if mode == "create-graph":  # SDPA's fused kernels have no double backward
         model = replace(model, attention="manual")
-    inference = draw(st.booleans())
+    inference = draw(_BOOLEANS)
     if model.n_layer > 1 and not isinstance(granularity, LayerGroups):
         # The first layer under no_grad (frozen) while the rest trains: grad mode differs
         # between the segments of one forward. Not inside a group, where the frozen layer
         # is no segment of its own and the group's grad mode does not change.
-        model = replace(model, frozen_first_layer=draw(st.booleans()))
-    loop = draw(training_loops(mode=mode, dtype=dtype, trainable=(
+        model = replace(model, frozen_first_layer=draw(_BOOLEANS))
+    loop = draw(_kept(training_loops, mode=mode, dtype=dtype, trainable=(
         "frozen-layer", "changing", *(("adapters",) if model.value_hooks else ()))))
     if loop["schedule"] != "one":  # a row for each micro-batch, so that they all differ
         batch = replace(batch, batch_size=max(batch.batch_size,

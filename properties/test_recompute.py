@@ -96,13 +96,13 @@ def _suite(test: Callable[..., None]) -> Callable[..., None]:
 
 
 @_suite
-def test_outputs(recompute_impl: Implementation, case: Case, request: Any) -> None:
-    assert_property("outputs", recompute_impl, case, request.node)
+def test_gradients(recompute_impl: Implementation, case: Case, request: Any) -> None:
+    assert_property("gradients", recompute_impl, case, request.node)
 
 
 @_suite
-def test_gradients(recompute_impl: Implementation, case: Case, request: Any) -> None:
-    assert_property("gradients", recompute_impl, case, request.node)
+def test_outputs(recompute_impl: Implementation, case: Case, request: Any) -> None:
+    assert_property("outputs", recompute_impl, case, request.node)
 
 
 @_suite

@@ -31,6 +31,21 @@ def test_ulps_count_the_representable_values_between(dtype: torch.dtype) -> None
     assert m.max_ulps == 2
 
 
+def test_ulps_of_many_pairs_at_once_are_each_pairs_own() -> None:
+    """Pairs of every width, dtype and shape measured in one call (grouped by dtype, one
+    reduction per group) give each pair the distance it has alone."""
+    torch.manual_seed(0)
+    pairs = []
+    for dtype in (torch.float32, torch.bfloat16, torch.float16, torch.float64):
+        for shape in ((1,), (5, 3), (100,)):
+            b = torch.randn(shape).to(dtype)
+            pairs.append(((b + torch.randn(shape).to(dtype) * 1e-2).to(dtype), b))
+    pairs.append((torch.tensor([1.0, -1.0]), torch.tensor([-1.0, 1.0])))
+    alone = [int(ulp_distance(a, b)) for a, b in pairs]
+    assert [m.max_ulps for m in measure_pairs(pairs)] == alone
+    assert len(set(alone)) > 10  # distinct distances: one pair's answer given to another shows
+
+
 def test_ulps_are_none_for_integers() -> None:
     (m,) = measure_pairs([(torch.tensor([1, 2]), torch.tensor([1, 3]))])
     assert m.max_ulps is None and m.mismatched == 1
@@ -134,3 +149,13 @@ def test_the_reduction_path_agrees_with_the_equality_shortcut() -> None:
     assert fast[0] == slow[0] and fast[1] == slow[1] and fast[2].numel == 0
     assert slow[1].rel_error == pytest.approx(1e-3, rel=1e-3)
     assert slow[1].cosine == pytest.approx(1.0)
+
+
+def test_ulps_left_out_on_request_leave_the_other_metrics_as_they_are() -> None:
+    b = torch.randn(50)
+    a = b * (1 + 1e-3)
+    (with_ulps,), (without,) = measure_pairs([(a, b)]), measure_pairs([(a, b)], ulps=False)
+    assert with_ulps.max_ulps is not None and with_ulps.max_ulps > 0
+    assert without.max_ulps is None
+    assert (without.rel_error, without.max_abs, without.mismatched) == \
+        (with_ulps.rel_error, with_ulps.max_abs, with_ulps.mismatched)

@@ -72,14 +72,15 @@ def test_the_cause_is_said_first_and_each_minimal_failure_once(
 
 def test_a_later_test_meeting_a_fault_already_shrunk_reports_it_unshrunk(
         failing_run: dict[str, Any]) -> None:
-    """With only the RNG not restored, test_buffers finds running statistics that differ on
-    a case test_outputs' minimal failure does not cover; its cause is the same, so it is
-    not shrunk again: one shrink in the run, and the search goes on for other faults."""
+    """With only the RNG not restored, test_outputs finds outputs that differ (a later
+    micro-batch's forward draws from the stream the re-run moved) on a case test_gradients'
+    minimal failure does not cover; its cause is the same, so it is not shrunk again: one
+    shrink in the run, and the search goes on for other faults."""
     from gradequiv.properties.runtime import SHRINK_TRIES
 
     report = failing_run["report"]
-    buffers = next(f for f in report["minimal_failures"] if f["test"] == "test_buffers")
-    assert buffers.get("same_cause_as") == "test_outputs"
+    outputs = next(f for f in report["minimal_failures"] if f["test"] == "test_outputs")
+    assert outputs.get("same_cause_as") == "test_gradients"
     assert report["summary"]["shrink_attempts"] <= SHRINK_TRIES
     assert [f["cause"] for f in report["faults"]] == ["rng-not-restored"]
     assert "[not shrunk: same cause as minimal failure 1]" in failing_run["out"]
