@@ -56,7 +56,7 @@ def assert_property(name: str, impl: Implementation, case: Case, node: pytest.It
         if case.cost() > smallest.cost() or not run.may_shrink(node.name):
             reject()
     # A shrink try asks about its own property only: the cheapest verdict that tells it.
-    verdict, fresh = run.cache.verify(impl, case, device, quick=shrinking,
+    verdict, fresh = run.cache.verify(impl, case, device,
                                       probe=name if shrinking else None)
     message = _failure(name, verdict)
     command = _reproduce(impl, case, device) if fresh or message else ""

@@ -461,7 +461,12 @@ class _Gatherer:
     def _keep(self, record: dict[str, Any]) -> None:
         from gradequiv.harness.reports.report import better_record
 
-        if better_record(self.records.get(record["reproduce"]), record):
+        kept = self.records.get(record["reproduce"])
+        if better_record(kept, record):
+            if kept is not None and "output" in kept and "output" not in record:
+                # a replay measuring the floor: what the implementation printed in the
+                # case's first run is still what it printed
+                record = {**record, "output": kept["output"]}
             self.records[record["reproduce"]] = record
 
     def pytest_sessionstart(self, session: pytest.Session) -> None:

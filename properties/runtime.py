@@ -85,13 +85,14 @@ class VerdictCache:
         return self._verdicts.get(key) or next(iter(self._probes.get(key, {}).values()), None)
 
     def verify(self, impl: Implementation, case: Case, device: Any, *,
-               quick: bool = False, probe: str | None = None) -> tuple[Verdict, bool]:
-        """The verdict, and whether it was computed now (False: from the cache). ``quick``:
-        the noise floor only where it can change the verdict (a case tried while
-        shrinking). ``probe``: the property a case tried while shrinking asks about; the
-        verdict watches memory only for recompute, and runs the first step alone where the
-        property reads no later one (``PROBES``). Probes are kept apart, so that no test is
-        handed one for a whole verdict."""
+               probe: str | None = None) -> tuple[Verdict, bool]:
+        """The verdict, and whether it was computed now (False: from the cache). The noise
+        floor runs only where it can change the verdict (a failing tensor within its
+        dtype's cap; a minimal failure's replay measures it for its figures), every time
+        with ``--deterministic``. ``probe``: the property a case tried while shrinking asks
+        about; the verdict watches memory only for recompute, and runs the first step alone
+        where the property reads no later one (``PROBES``). Probes are kept apart, so that
+        no test is handed one for a whole verdict."""
         from gradequiv.harness import verify
 
         key = (implementation_key(impl), case.to_json(), str(device))
@@ -103,7 +104,7 @@ class VerdictCache:
         if self.on_start is not None:
             self.on_start(impl, case, device)
         verdict = verify(impl, case, device=device, tolerance=RUN.tolerance(case),
-                         floor_when_needed=quick, watch_memory=kind is None,
+                         floor_when_needed=True, watch_memory=kind is None,
                          always_floor=RUN.options.deterministic and kind is None,
                          first_step_only=kind == "first step")
         if kind is None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import io
 import json
+import re
 import shlex
 from pathlib import Path
 from typing import Any
@@ -159,8 +160,12 @@ def test_a_shrink_try_leaves_out_the_floor_only_where_the_verdict_cannot_need_it
     whole, quick = verify(impl, case), verify(impl, case, floor_when_needed=True)
     # a whole verdict runs the floor only where it fails against a zero floor
     assert whole.floor_measured == (not whole.passed) and quick.passed == whole.passed
-    statuses = [(p.name, p.passed, p.first_failure) for p in whole.properties]
-    assert [(p.name, p.passed, p.first_failure) for p in quick.properties] == statuses
+    def statuses(verdict: Any) -> list[tuple[str, bool | None, str]]:
+        # the same lines but for what they say of the floor (measured, or why not)
+        return [(p.name, p.passed, re.sub(r" \(noise floor [^)]*\)", "", p.first_failure))
+                for p in verdict.properties]
+
+    assert statuses(quick) == statuses(whole)
     if whole.passed or spec.endswith("no_rng_restore"):  # bitwise equal, or far past a cap
         assert not quick.floor_measured and "floor" not in quick.seconds
 
@@ -286,3 +291,24 @@ def test_a_failing_verdict_measures_the_floor_for_its_figures() -> None:
     verdict = verify(resolve("gradequiv.harness.implementations.faults:no_rng_restore"),
                      find_case("1L-layer-dropout"))
     assert not verdict.passed and verdict.floor_measured and "floor" in verdict.seconds
+
+
+def test_a_floor_that_cannot_change_a_verdict_is_not_measured_and_says_so(
+        failing_run: dict[str, Any]) -> None:
+    """A case failing past its dtype's cap fails at any noise floor: its floor path does not
+    run, and its line says so instead of reporting a floor of 0 nobody measured; the drawn
+    minimal failures, replayed, measure theirs."""
+    report = failing_run["report"]
+    unmeasured = [r for r in report["cases"] if r["verdict"] == "fail"
+                  and not r.get("floor_measured", True)]
+    assert unmeasured  # named cases of the RNG fault: errors of 0.1 and more
+    for record in unmeasured:
+        assert "noise floor not measured" in record["first_failure"]
+        checks = [c for p in record["properties"] for c in p["checks"]]
+        assert checks and all(c["floor_measured"] is False for c in checks)
+    drawn = [f for f in report["minimal_failures"] if not f["test"].startswith("test_named")]
+    assert drawn
+    for failure in drawn:
+        record = next(r for r in report["cases"] if r["case"] == failure["case"])
+        assert record.get("floor_measured", True), failure["description"]
+        assert "(noise floor 0)" in record["first_failure"]
