@@ -27,9 +27,12 @@ from gradequiv.models.user_model import UserModel
 __all__ = ["LIBRARY_PREFIXES", "import_transformers", "library_factory", "transformers_model"]
 
 #: ``--model PREFIX:NAME`` routes to a library's architecture instead of a factory.
-LIBRARY_PREFIXES = ("hf", "diffusers")
+LIBRARY_PREFIXES = ("hf", "diffusers", "timm")
 
 BATCH, SEQ, LABELS_SEQ, IMAGE = 2, 8, 6, 32
+#: Waveform samples (``input_values``): 12 frames after a wav2vec2-style feature encoder
+#: (a 400-sample receptive field, stride 320); feature frames (``input_features``).
+AUDIO, FRAMES = 4000, 32
 
 #: Config knobs set where the config has them: two layers, 32 wide, two heads, one
 #: key-value head, 64 wide feed-forward, a small vocabulary and image.
@@ -43,6 +46,14 @@ SMALL: dict[str, Any] = {
     "encoder_ffn_dim": 64, "decoder_ffn_dim": 64, "d_kv": 16, "head_dim": 16,
     "vocab_size": 96, "max_position_embeddings": 64, "n_positions": 64,
     "image_size": IMAGE, "patch_size": 8, "num_channels": 3,
+    # speech: 16 mel bins over FRAMES frames (Whisper's encoder takes twice its positions)
+    "num_mel_bins": 16, "max_source_positions": FRAMES // 2,
+}
+
+#: Off where the config has them: SpecAugment's time and feature masks are drawn from
+#: numpy's global generator, which no path seeds, so two full-storage runs would differ.
+AUGMENT_OFF: dict[str, Any] = {
+    "apply_spec_augment": False, "mask_time_prob": 0.0, "mask_feature_prob": 0.0,
 }
 
 #: Dropout knobs turned on (0.1) where the config has them: a re-run must draw the same.
@@ -56,7 +67,8 @@ MAX_PARAMETERS = 10_000_000
 
 #: The heads whose loss a batch of labels defines, by the class name's ending.
 _HEADS = ("ForCausalLM", "LMHeadModel", "ForMaskedLM", "ForConditionalGeneration",
-          "ForSequenceClassification", "ForTokenClassification", "ForImageClassification")
+          "ForSequenceClassification", "ForTokenClassification", "ForImageClassification",
+          "ForCTC")
 
 
 def library_factory(spec: str) -> Callable[[int], UserModel] | None:
@@ -68,6 +80,10 @@ def library_factory(spec: str) -> Callable[[int], UserModel] | None:
         from gradequiv.models.diffusers_models import diffusers_model
 
         return functools.partial(diffusers_model, name)
+    if prefix == "timm":
+        from gradequiv.models.timm_models import timm_model
+
+        return functools.partial(timm_model, name)
     return None
 
 
@@ -107,6 +123,12 @@ def tiny_config(config_class: Any, *, nested: bool = False) -> Any:
 def _small_knobs(default: Any, nested: bool) -> dict[str, Any]:
     """The knobs that shrink ``default`` (a config), and its sub-configs' where ``nested``."""
     knobs = {k: v for k, v in SMALL.items() if hasattr(default, k)}
+    knobs |= {k: v for k, v in AUGMENT_OFF.items() if hasattr(default, k)}
+    conv = getattr(default, "conv_dim", None)  # a waveform encoder's convolution widths
+    if isinstance(conv, (tuple, list)):
+        knobs["conv_dim"] = tuple(16 for _ in conv)
+    if getattr(default, "num_conv_pos_embeddings", 0) > 16:  # its positional kernel
+        knobs["num_conv_pos_embeddings"] = 16
     knobs |= {k: 0.1 for k in DROPOUT if isinstance(getattr(default, k, None), float)}
     vocab = knobs.get("vocab_size", getattr(default, "vocab_size", None))
     if isinstance(vocab, int):
@@ -158,6 +180,8 @@ def _batch(cls: Any, name: str, config: Any, seed: int) -> dict[str, Tensor | No
         else:  # a language-model head (a multimodal decoder's too): the tokens themselves
             labels = tokens.clone()
         return inputs | {"labels": labels}
+    if main in ("input_values", "input_features"):
+        return _speech_batch(name, config, main, gen)
     if main == "pixel_values" and name.endswith("ForImageClassification"):
         size = getattr(config, "image_size", IMAGE)
         size = size if isinstance(size, int) else IMAGE
@@ -167,8 +191,39 @@ def _batch(cls: Any, name: str, config: Any, seed: int) -> dict[str, Tensor | No
                 "labels": torch.randint(0, config.num_labels, (BATCH,), generator=gen)}
     raise InvalidArgument(
         f"--model='hf:{name}': its main input is {main!r}, for which gradequiv makes no "
-        f"batch yet (token ids and pixel values it makes); write a factory "
-        f"(docs/reference.md, 'Your own model')")
+        f"batch yet (token ids, pixel values, waveforms and feature frames it makes); write "
+        f"a factory (docs/reference.md, 'Your own model')")
+
+
+def _speech_batch(name: str, config: Any, main: str, gen: torch.Generator
+                  ) -> dict[str, Tensor | None]:
+    """A waveform (``input_values``) or feature frames (``input_features``: mel bins by
+    frames for Whisper, frames by features for the others), with its head's labels."""
+    if main == "input_values":
+        audio = torch.randn(BATCH, AUDIO, generator=gen)
+    elif hasattr(config, "num_mel_bins"):
+        audio = torch.randn(BATCH, config.num_mel_bins, 2 * config.max_source_positions,
+                            generator=gen)
+    else:
+        width = getattr(config, "feature_projection_input_dim", None) or \
+            getattr(config, "input_feat_per_channel", 0) * getattr(config, "input_channels", 1)
+        if not width:
+            raise InvalidArgument(
+                f"--model='hf:{name}': its config says no feature width for "
+                f"{main!r}; write a factory (docs/reference.md, 'Your own model')")
+        audio = torch.randn(BATCH, FRAMES, width, generator=gen)
+    vocab = getattr(config, "vocab_size", 2)
+    if name.endswith("ForSequenceClassification"):
+        labels = torch.randint(0, config.num_labels, (BATCH,), generator=gen)
+    elif name.endswith("ForCTC"):  # a transcript shorter than the frames; 0 is the blank
+        labels = torch.randint(1, vocab, (BATCH, 4), generator=gen)
+    elif name.endswith("ForConditionalGeneration"):  # an encoder-decoder's transcript
+        labels = torch.randint(4, vocab, (BATCH, LABELS_SEQ), generator=gen)
+    else:
+        raise InvalidArgument(
+            f"--model='hf:{name}': gradequiv makes no labels for its head from {main!r}; "
+            f"write a factory (docs/reference.md, 'Your own model')")
+    return {main: audio, "labels": labels}
 
 
 def _head_loss(outputs: Any, labels: Tensor) -> Tensor:

@@ -18,7 +18,11 @@ ARCHITECTURES = ["Qwen2ForCausalLM", "LlamaForCausalLM", "GPT2LMHeadModel",
                  "BartForConditionalGeneration", "ViTForImageClassification",
                  # a multimodal decoder: its text and vision sub-configs shrunk too (Aria's
                  # were left at 18.7 billion parameters)
-                 "LlavaForConditionalGeneration"]
+                 "LlavaForConditionalGeneration",
+                 # speech: a waveform with a CTC transcript and with a class, and Whisper's
+                 # mel frames into an encoder-decoder (SpecAugment off: numpy's generator)
+                 "HubertForCTC", "Wav2Vec2ForSequenceClassification",
+                 "WhisperForConditionalGeneration"]
 
 
 @pytest.fixture(autouse=True)
@@ -69,7 +73,7 @@ def test_the_route_finds_what_a_factory_written_check_finds() -> None:
 @pytest.mark.parametrize("spec, said", [
     ("hf:NoSuchModelForCausalLM", "has no model class 'NoSuchModelForCausalLM'"),
     ("hf:BertModel", "BertModel has none it knows; name the class with a head"),
-    ("hf:Wav2Vec2ForSequenceClassification", "its main input is 'input_values'"),
+    ("hf:BlipForConditionalGeneration", "its main input is 'pixel_values'"),
     # its vision config's sizes have names the route does not know: 656 million parameters,
     # refused before a byte is allocated
     ("hf:Qwen2VLForConditionalGeneration", "parameters as the route builds it, more than a "
@@ -81,3 +85,22 @@ def test_what_cannot_be_built_is_exit_2_with_the_reason(
     code = main(["check", "--in-process", "--impl", "hf", "--model", spec, "--examples", "1"])
     err = capsys.readouterr().err
     assert code == 2 and said in err and err.count("\n") == 1, err
+
+
+@pytest.mark.parametrize("argv, said", [
+    (["--impl", "torch", "--model", "timm:vit_tiny_patch16_224"],
+     "--model timm:... needs timm"),
+    (["--impl", "timm", "--model", "timm:vit_tiny_patch16_224"], "needs timm"),
+])
+def test_the_timm_route_without_timm_says_how_to_get_it(
+        argv: list[str], said: str, capsys: pytest.CaptureFixture[str]) -> None:
+    """Where timm is not installed (the CPU build of torch has no torchvision on PyPI),
+    the route is exit 2 naming the extra; tests/test_timm_route.py runs it where it is."""
+    import importlib.util
+
+    if importlib.util.find_spec("timm") is not None:
+        pytest.skip("timm is installed here")
+    code = main(["check", "--in-process", *argv, "--examples", "1"])
+    err = capsys.readouterr().err
+    assert code == 2 and said in err and err.count("\n") == 1, err
+    assert "pip install 'gradequiv[timm]'" in err

@@ -66,10 +66,7 @@ def _run(options: CheckOptions, observer: Any) -> int:
     from gradequiv.harness.engine.devices import resolve_device
     from gradequiv.harness.engine.spread import load_case
     from gradequiv.harness.engine.verify import check_runnable
-    from gradequiv.harness.implementations.libraries import (
-        DIFFUSERS_NEEDS_MODEL,
-        HF_NEEDS_MODEL,
-    )
+    from gradequiv.harness.implementations.libraries import TOGGLES_NEEDING_MODEL
     from gradequiv.harness.implementations.resolve import resolve
     from gradequiv.harness.reports.files import claim_report_dir, lock_report_dir, run_identity
     from gradequiv.models.kinds import EXTERNAL
@@ -102,8 +99,9 @@ def _run(options: CheckOptions, observer: Any) -> int:
                 f"pick another case")
     if options.model is not None:
         check_model(options.model)
-    elif impl.spec in ("hf", "diffusers") and (case is None or case.model_kind != EXTERNAL):
-        raise InvalidArgument(HF_NEEDS_MODEL if impl.spec == "hf" else DIFFUSERS_NEEDS_MODEL)
+    elif impl.spec in TOGGLES_NEEDING_MODEL and (case is None or
+                                                 case.model_kind != EXTERNAL):
+        raise InvalidArgument(TOGGLES_NEEDING_MODEL[impl.spec])
     _refuse_failed_imports(impl, options, case, device)
     Tolerance("fp32", options.rtol, options.atol)
     with contextlib.ExitStack() as stack:

@@ -33,6 +33,7 @@ EXTRAS = {
     "megatron": ("megatron", "megatron-core"),
     "hf": ("hf", "transformers"),
     "diffusers": ("diffusers", "diffusers"),
+    "timm": ("timm", "timm"),
 }
 
 
@@ -170,6 +171,8 @@ def require(spec: str) -> None:
         _library(spec, "transformers.modeling_layers")
     elif spec == "diffusers":
         _library(spec, "diffusers")
+    elif spec == "timm":
+        _library(spec, "timm.layers")
 
 
 # -- transformers: the model's own gradient checkpointing (a toggle) ---------------------
@@ -237,3 +240,32 @@ def diffusers_gradient_checkpointing(model: nn.Module, *, segments: list[str] | 
         return torch.utils.checkpoint.checkpoint(module.__call__, *args, **options)
 
     enable(gradient_checkpointing_func=checkpointing)
+
+
+# -- timm: the model's own gradient checkpointing (a toggle) ------------------------------
+
+TIMM_NEEDS_MODEL = (
+    "--impl='timm' toggles a timm model's own checkpointing: add --model "
+    "timm:vit_tiny_patch16_224 (or another timm:NAME, or a factory of your own timm model)")
+
+
+def timm_gradient_checkpointing(model: nn.Module, *, use_reentrant: bool = False) -> None:
+    """``model.set_grad_checkpointing(True)`` of a timm model, as users call it.
+
+    timm checkpoints every block of the runs it hands to torch's checkpoint (a ViT's
+    blocks, a ConvNeXt stage's, a ResNet's), so it picks the segments itself (the cases'
+    granularity is "the toggle's"). ``use_reentrant`` is timm's own process-wide switch
+    (``timm.layers.set_reentrant_ckpt``), set on every install, so one path's choice never
+    carries into the next.
+    """
+    layers = _library("timm", "timm.layers")
+    enable = getattr(model, "set_grad_checkpointing", None)
+    if enable is None:
+        raise InvalidArgument(TIMM_NEEDS_MODEL)
+    layers.set_reentrant_ckpt(bool(use_reentrant))
+    enable(True)
+
+
+#: The library toggles that need a model of that library (``--model``), and what to add.
+TOGGLES_NEEDING_MODEL = {"hf": HF_NEEDS_MODEL, "diffusers": DIFFUSERS_NEEDS_MODEL,
+                         "timm": TIMM_NEEDS_MODEL}

@@ -42,6 +42,7 @@ BUILTINS: dict[str, tuple[str, str]] = {
     "megatron": ("libraries:megatron_checkpoint", "function"),
     "hf": ("libraries:hf_gradient_checkpointing", "toggle"),
     "diffusers": ("libraries:diffusers_gradient_checkpointing", "toggle"),
+    "timm": ("libraries:timm_gradient_checkpointing", "toggle"),
 }
 
 
