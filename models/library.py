@@ -2,19 +2,23 @@
 
 The model is built tiny and random-initialised from the library's own config class (small
 widths and depths, dropout on wherever the config has a knob for it, no download); the
-batch is what its main input asks for (token ids, or pixel values), with labels, so the
-loss is the one its head defines; and the segments are what the library's own toggle
-checkpoints: transformers wraps every ``GradientCheckpointingLayer``, so every instance of
-that class (outermost) is a segment. ``--impl hf`` then turns the library's checkpointing
-on the way its users do. What cannot be built this way is a usage error with the reason.
+batch is what its main input asks for (token ids, pixel values, a waveform or feature
+frames), with labels, so the loss is the one its head defines; and the segments are what
+the library's own toggle checkpoints: transformers wraps every
+``GradientCheckpointingLayer``, so every instance of that class (outermost) is a segment.
+``hf:path/to/config.json`` shrinks a user's own config the same way, its switches kept.
+``--impl hf`` then turns the library's checkpointing on the way its users do. What cannot
+be built this way is a usage error with the reason.
 """
 
 from __future__ import annotations
 
 import functools
 import importlib
+import json
 import warnings
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -110,14 +114,47 @@ def _architecture(transformers: Any, name: str) -> Any:
     return cls
 
 
-def tiny_config(config_class: Any, *, nested: bool = False) -> Any:
+def tiny_config(config_class: Any, *, nested: bool = False,
+                base: dict[str, Any] | None = None) -> Any:
     """The architecture's own config, shrunk: the knobs of ``SMALL`` it has, dropout on,
     eager attention, no cache, and special token ids inside the small vocabulary.
     ``nested``: its sub-configs (a multimodal model's ``text_config``, ``vision_config``)
-    shrunk the same way too."""
-    default = config_class()
+    shrunk the same way too. ``base``: a user's own config (its fields), whose switches
+    (activation, positions, norms, tied embeddings) stay as they are; only sizes shrink."""
+    given = dict(base or {})
+    default = config_class(**given)
     knobs = _small_knobs(default, nested)
-    return config_class(**knobs, attn_implementation="eager", use_cache=False)
+    return config_class(**(given | knobs), attn_implementation="eager", use_cache=False)
+
+
+#: Fields of a saved config that say where it came from or how to load weights, not what
+#: the architecture is: left out when a user's config.json is shrunk.
+_NOT_ARCHITECTURE = ("architectures", "model_type", "transformers_version", "_name_or_path",
+                     "auto_map", "quantization_config", "torch_dtype", "dtype",
+                     "attn_implementation", "use_cache")
+
+
+def user_config(spec: str) -> tuple[str, dict[str, Any]]:
+    """``hf:path/to/config.json`` (or a folder holding one): the model class its
+    ``architectures`` names, and its fields; a usage error where it cannot be read."""
+    path = Path(spec)
+    file = path / "config.json" if path.is_dir() else path
+    try:
+        fields = json.loads(file.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as exc:
+        raise InvalidArgument(f"--model='hf:{spec}': cannot read {file} as a transformers "
+                              f"config ({type(exc).__name__}: {exc})") from exc
+    names = fields.get("architectures") if isinstance(fields, dict) else None
+    if not isinstance(names, list) or not names or not isinstance(names[0], str):
+        raise InvalidArgument(
+            f"--model='hf:{spec}': {file} names no model class in 'architectures' (a config "
+            f"saved by save_pretrained does); add one, e.g. \"architectures\": "
+            f"[\"LlamaForCausalLM\"]")
+    return names[0], {k: v for k, v in fields.items() if k not in _NOT_ARCHITECTURE}
+
+
+def _is_config_path(name: str) -> bool:
+    return name.endswith(".json") or "/" in name or Path(name).is_dir()
 
 
 def _small_knobs(default: Any, nested: bool) -> dict[str, Any]:
@@ -236,6 +273,10 @@ def transformers_model(name: str, seed: int) -> UserModel:
     """``hf:NAME``: the transformers class ``NAME``, tiny, with its own loss and the layers
     its ``gradient_checkpointing_enable()`` checkpoints as segments."""
     transformers = import_transformers("hf:...")
+    base: dict[str, Any] | None = None
+    spec = name
+    if _is_config_path(name):  # a user's own config, shrunk: hf:path/to/config.json
+        name, base = user_config(spec)
     cls = _architecture(transformers, name)
     try:
         layers = importlib.import_module("transformers.modeling_layers")
@@ -249,19 +290,19 @@ def transformers_model(name: str, seed: int) -> UserModel:
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            config = tiny_config(cls.config_class)
+            config = tiny_config(cls.config_class, base=base)
             too_large = _too_large(cls, config)
             if too_large and getattr(config, "sub_configs", None):
-                config = tiny_config(cls.config_class, nested=True)  # shrunk all through
+                config = tiny_config(cls.config_class, nested=True, base=base)  # all through
                 too_large = _too_large(cls, config)
             model = None if too_large else cls(config)
     except Exception as exc:  # a config that cannot be shrunk this way: say which and why
         raise InvalidArgument(
-            f"--model='hf:{name}' could not be built tiny from {cls.config_class.__name__} "
+            f"--model='hf:{spec}' could not be built tiny from {cls.config_class.__name__} "
             f"({type(exc).__name__}: {exc}); write a factory with a config of your own "
             f"(docs/reference.md, 'Your own model')") from exc
     if model is None:
-        raise InvalidArgument(f"--model='hf:{name}': {too_large}; write a factory with a "
+        raise InvalidArgument(f"--model='hf:{spec}': {too_large}; write a factory with a "
                               f"config of your own (docs/reference.md, 'Your own model')")
     inputs = _batch(cls, name, config, seed)
     labels = inputs["labels"]

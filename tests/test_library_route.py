@@ -3,6 +3,9 @@ its own config, its head's loss, and the layers its own toggle checkpoints as se
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -104,3 +107,42 @@ def test_the_timm_route_without_timm_says_how_to_get_it(
     err = capsys.readouterr().err
     assert code == 2 and said in err and err.count("\n") == 1, err
     assert "pip install 'gradequiv[timm]'" in err
+
+
+def test_a_users_own_config_is_shrunk_with_its_switches_kept(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """``hf:path/to/config.json``: the architecture a user trains (a Llama 3 8B config, as
+    save_pretrained writes it), its sizes shrunk and its switches (positions, tied
+    embeddings, biases) as they are, checked under transformers' own checkpointing."""
+    pytest.importorskip("transformers")
+    config = {"architectures": ["LlamaForCausalLM"], "model_type": "llama",
+              "hidden_size": 4096, "intermediate_size": 14336, "num_hidden_layers": 32,
+              "num_attention_heads": 32, "num_key_value_heads": 8, "vocab_size": 128256,
+              "max_position_embeddings": 131072, "rope_theta": 500000.0,
+              "tie_word_embeddings": True, "mlp_bias": True, "torch_dtype": "bfloat16",
+              "transformers_version": "4.45.0", "bos_token_id": 128000}
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(config), encoding="utf-8")
+    model = build(ExternalConfig(f"hf:{path}"), Case().batch, 0).model.inner
+    shrunk = model.config
+    assert type(model).__name__ == "LlamaForCausalLM"
+    assert sum(p.numel() for p in model.parameters()) < 200_000
+    assert (shrunk.hidden_size, shrunk.num_hidden_layers) == (32, 2)
+    assert shrunk.tie_word_embeddings and shrunk.mlp_bias  # the user's, not the default's
+    assert model.model.layers[0].mlp.up_proj.bias is not None
+    assert verify(resolve("hf"), _case(str(path))).passed
+    for folder in (tmp_path, path):  # the folder save_pretrained wrote, or the file
+        code = main(["check", "--in-process", "--impl", "hf", "--model", f"hf:{folder}",
+                     "--examples", "1", "--report-dir", str(tmp_path / "report")])
+        assert code == 0, capsys.readouterr().out
+
+
+def test_a_config_that_names_no_model_class_is_exit_2(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    pytest.importorskip("transformers")
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps({"model_type": "llama"}), encoding="utf-8")
+    code = main(["check", "--in-process", "--impl", "hf", "--model", f"hf:{path}",
+                 "--examples", "1"])
+    err = capsys.readouterr().err
+    assert code == 2 and "names no model class in 'architectures'" in err, err
