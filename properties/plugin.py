@@ -459,15 +459,10 @@ class _Gatherer:
             self.write_report(complete=False)
 
     def _keep(self, record: dict[str, Any]) -> None:
-        from gradequiv.harness.reports.report import better_record
+        from gradequiv.harness.reports.report import kept_record
 
-        kept = self.records.get(record["reproduce"])
-        if better_record(kept, record):
-            if kept is not None and "output" in kept and "output" not in record:
-                # a replay measuring the floor: what the implementation printed in the
-                # case's first run is still what it printed
-                record = {**record, "output": kept["output"]}
-            self.records[record["reproduce"]] = record
+        self.records[record["reproduce"]] = kept_record(self.records.get(record["reproduce"]),
+                                                        record)
 
     def pytest_sessionstart(self, session: pytest.Session) -> None:
         """The folder is this run's: what an earlier run left there goes first."""

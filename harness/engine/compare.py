@@ -66,14 +66,7 @@ def ulp_distance(a: Tensor, b: Tensor) -> Tensor:
     are stored as sign and magnitude, so their magnitude is negated), where
     +0.0 and -0.0 are the same integer. Returns a 0-dim int64 tensor.
     """
-    ints = _BITS[b.dtype]
-    magnitude = torch.iinfo(ints).max
-
-    def ordered(t: Tensor) -> Tensor:
-        bits = t.detach().reshape(-1).view(ints).to(torch.int64)
-        return torch.where(bits < 0, -(bits & magnitude), bits)
-
-    return (ordered(a.to(b.device)) - ordered(b)).abs().max()
+    return (_ordered_bits([a.to(b.device)], b.dtype) - _ordered_bits([b], b.dtype)).abs().max()
 
 
 def _ordered_bits(parts: list[Tensor], dtype: torch.dtype) -> Tensor:
@@ -84,14 +77,15 @@ def _ordered_bits(parts: list[Tensor], dtype: torch.dtype) -> Tensor:
     return torch.where(wide < 0, -(wide & torch.iinfo(_BITS[dtype]).max), wide)
 
 
-def _ulp_distances(pairs: Sequence[tuple[Tensor, Tensor]]) -> list[Tensor]:
-    """``ulp_distance`` of every pair (-1 where the dtypes differ or have no bits view), in
-    a few ops per dtype and device rather than several per pair: a failing verdict has a
-    pair for every parameter of every step."""
+def _ulp_distances(pairs: Sequence[tuple[Tensor, Tensor]], measure: bool = True
+                   ) -> list[Tensor]:
+    """``ulp_distance`` of every pair (-1 where the dtypes differ or have no bits view, or
+    ``measure`` is False), in a few ops per dtype and device rather than several per pair: a
+    failing verdict has a pair for every parameter of every step."""
     out = [torch.tensor(-1.0, dtype=torch.float64, device=b.device) for _, b in pairs]
     groups: dict[tuple[torch.dtype, torch.device], list[int]] = {}
     for i, (a, b) in enumerate(pairs):
-        if a.dtype == b.dtype and b.dtype in _BITS:
+        if measure and a.dtype == b.dtype and b.dtype in _BITS:
             groups.setdefault((b.dtype, b.device), []).append(i)
     for (dtype, device), members in groups.items():
         apart = (_ordered_bits([pairs[i][0].to(device) for i in members], dtype)
@@ -143,8 +137,7 @@ def _reduce(pairs: list[tuple[Tensor, Tensor]], ulps: bool = True) -> list[PairM
         torch._foreach_norm(diff), torch._foreach_norm(flat_a), torch._foreach_norm(flat_b),
         torch._foreach_norm(diff, math.inf), torch._foreach_norm(diff, 0),
     ]
-    sums.append(_ulp_distances(pairs) if ulps else
-                [torch.tensor(-1.0, dtype=torch.float64, device=b.device) for _, b in pairs])
+    sums.append(_ulp_distances(pairs, ulps))
     rows = torch.stack([torch.stack([t.double() for t in s]) for s in sums], 1).tolist()
     out = []
     for (a, b), (diff_norm, a_norm, b_norm, max_abs, mismatched, ulps) in zip(pairs, rows):

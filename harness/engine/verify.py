@@ -42,7 +42,7 @@ import contextlib
 import math
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -324,9 +324,6 @@ def verify(
     verdict.held_on = {"full": full.held_on, "recompute": recompute.held_on}
     verdict.properties = quick if quick is not None else _check_all(
         case, full, floor, recompute, tolerance, impl.compiled, selective=impl.selective)
-    if not verdict.floor_measured:
-        for prop in verdict.properties:
-            prop.checks = [replace(c, floor_measured=False) for c in prop.checks]
     if impl.offloads and watch_memory:  # the last property asks another question of one
         verdict.properties[-1] = _check_offload(case, full, recompute, device)
     verdict.memory_watched, verdict.first_step_only = watch_memory, first_step_only
@@ -460,11 +457,12 @@ def _check_all(
     floors = measure_pairs([(c, b) for _, _, _, b, c in comparable], ulps=False)
     scales = _scales([(a, b) for _, _, a, b, _ in comparable],
                      [m.mismatched == 0 for m in metrics])
+    measured = floor is not full  # full storage stands in for a floor path not run
     for (prop, name, a, b, _), m, f, scale in zip(comparable, metrics, floors, scales):
         bound = tolerance.bound(f.rel_error, b.dtype)
         check = TensorCheck(prop, name, tolerance.passes(m, bound), m.rel_error, bound,
                             f.rel_error, m.max_abs, m.cosine, m.mismatched, m.numel,
-                            m.max_ulps, _counts(a, b), scale)
+                            m.max_ulps, _counts(a, b), scale, floor_measured=measured)
         results[prop].checks.append(check)
     for prop in ("gradients", "trajectory"):
         for check in _measured_elsewhere(results[prop]):

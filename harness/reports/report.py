@@ -294,11 +294,17 @@ def starting_report(options: CheckOptions, run: dict[str, Any]) -> dict[str, Any
     }
 
 
-def better_record(kept: dict[str, Any] | None, new: dict[str, Any]) -> bool:
-    """Whether ``new`` replaces the record ``kept`` of the same case: the first record of
-    a case stays, unless it left out the noise floor and ``new`` measured it."""
-    return kept is None or (kept.get("floor_measured") is False
-                            and new.get("floor_measured", True))
+def kept_record(kept: dict[str, Any] | None, new: dict[str, Any]) -> dict[str, Any]:
+    """The record of a case to keep, of ``kept`` (the one so far) and ``new``: the first
+    record of a case stays, unless it left out the noise floor and ``new`` (a replay)
+    measured it; what the implementation printed in the first run stays with it."""
+    if kept is None:
+        return new
+    if kept.get("floor_measured") is not False or new.get("floor_measured") is False:
+        return kept
+    if "output" in kept and "output" not in new:
+        return {**new, "output": kept["output"]}
+    return new
 
 
 def distinct_cases(records: list[dict[str, Any]],
@@ -386,8 +392,8 @@ def process_ended_report(last: dict[str, Any], records: list[dict[str, Any]], *,
     """
     by_reproduce = {r["reproduce"]: r for r in last.get("cases", [])}
     for record in records:
-        if better_record(by_reproduce.get(record["reproduce"]), record):
-            by_reproduce[record["reproduce"]] = record
+        by_reproduce[record["reproduce"]] = kept_record(by_reproduce.get(record["reproduce"]),
+                                                        record)
     cases, attempts = distinct_cases(list(by_reproduce.values()),
                                      last.get("minimal_failures", []))
     failed = sum(r["verdict"] == "fail" for r in cases)
