@@ -86,3 +86,23 @@ def test_what_the_route_cannot_build_is_exit_2_with_the_reason(
                  "--examples", "1"])
     err = capsys.readouterr().err
     assert code == 2 and said in err and err.count("\n") == 1, err
+
+
+@pytest.mark.parametrize("reentrant", [False, True])
+def test_use_reentrant_reaches_timm_s_checkpoint(reentrant: bool) -> None:
+    """The option is timm's own process-wide switch, set on every install: the graph shows
+    torch's reentrant checkpoint (a CheckpointFunction node) exactly where it was asked."""
+    from gradequiv.models.timm_models import timm_model
+
+    built = timm_model("vit_tiny_patch16_224", 0)
+    resolve("timm").target(built.model, use_reentrant=reentrant)  # as an install calls it
+    assert isinstance(built.inputs, tuple)
+    names, todo, seen = set(), [built.model(*built.inputs).grad_fn], set()
+    while todo:
+        node = todo.pop()
+        if node is None or node in seen:
+            continue
+        seen.add(node)
+        names.add(type(node).__name__)
+        todo += [n for n, _ in node.next_functions]
+    assert ("CheckpointFunctionBackward" in names) == reentrant
