@@ -119,11 +119,8 @@ class ParameterUses(Rider):
         if mode is not None:
             mode.__exit__(kind, error, trace)  # type: ignore[no-untyped-call]
 
-    def _count(self, hit: set[str]) -> None:
+    def _count(self, hit: set[str], phase: int) -> None:
         """Count one op that read the parameters of the modules ``hit``."""
-        phase = self._phase()
-        if phase and not torch.is_grad_enabled():
-            return  # an ordinary backward kernel, not a recompute
         uses = self.uses
         for name in hit:
             uses[name][phase] += 1
@@ -131,8 +128,13 @@ class ParameterUses(Rider):
             self._rerun_hits |= hit
 
     def before(self, args: tuple[Any, ...], kwargs: dict[str, Any] | None) -> None:
-        # The hot path, once per op: look each argument up by id, flat or one list/tuple
-        # deep (aten's Tensor[] and Tensor?[]; deeper nesting does not occur, so no pytree).
+        # The hot path, once per op. An ordinary backward kernel (grad mode off in the
+        # backward phase) is no recompute: nothing to look at.
+        phase = self._phase()
+        if phase and not torch.is_grad_enabled():
+            return
+        # Look each argument up by id, flat or one list/tuple deep (aten's Tensor[] and
+        # Tensor?[]; deeper nesting does not occur, so no pytree).
         owners = self._owners
         hit: set[str] | None = None
         for arg in (*args, *kwargs.values()) if kwargs else args:
@@ -146,7 +148,7 @@ class ParameterUses(Rider):
                 if entry is not None and entry[0]() is arg:
                     hit = set(entry[1]) if hit is None else hit.union(entry[1])
         if hit is not None:
-            self._count(hit)
+            self._count(hit, phase)
 
     def take_rerun_hits(self) -> set[str]:
         """The modules whose parameters backward's grad-enabled ops read since the last

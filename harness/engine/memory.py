@@ -46,10 +46,19 @@ if TYPE_CHECKING:
 __all__ = ["ActivationCounter", "AllocatorWatch", "BackwardPeak", "RecomputeCarry",
            "SavedBytes", "tensor_storage_bytes"]
 
-# Per op overload, which of its returns can be a new storage: True (all),
-# False (none: views, in-place and out= ops return an input's storage), or the
-# indices of the returns that declare no alias.
-_FRESH_RETURNS: dict[int, tuple[Any, bool | tuple[int, ...]]] = {}
+# Per op, by ``id``: the op itself (kept alive, so its id is never another's), which of its
+# returns can be a new storage (True: all; False: none, as views, in-place and out= ops
+# return an input's storage; or the indices of the returns that declare no alias), and
+# what to call to run it.
+_OPS: dict[int, tuple[Any, bool | tuple[int, ...], Callable[..., Any]]] = {}
+
+
+def _op_entry(func: Any) -> tuple[Any, bool | tuple[int, ...], Callable[..., Any]]:
+    """``func``'s entry in ``_OPS``, made on its first call. An op overload is run through
+    the callable its ``__call__`` forwards to (``_op``): one Python frame less per op."""
+    entry = _OPS[id(func)] = (func, _fresh_returns(func), getattr(func, "_op", func))
+    return entry
+
 
 # Typed as they behave: torch's stubs leave _free_weak_ref untyped and miss that
 # _new_with_weak_ptr gives None for a freed storage (and _weak_ref below, typed as
@@ -102,13 +111,14 @@ def _release(*key_sets: set[int]) -> None:
 
 def _record(func: Any, out: Any, into: set[int]) -> None:
     """Add a weak reference to each new storage among ``func``'s returns ``out`` to
-    ``into``; the per-op hot path."""
-    # By id: an op overload's hash is a Python call, once per op; the entry keeps the op
-    # alive, so its id is never another's.
-    known = _FRESH_RETURNS.get(id(func))
-    if known is None:
-        known = _FRESH_RETURNS[id(func)] = (func, _fresh_returns(func))
-    fresh = known[1]
+    ``into``."""
+    # By id: an op overload's hash is a Python call, once per op.
+    known = _OPS.get(id(func)) or _op_entry(func)
+    _note(known[1], out, into)
+
+
+def _note(fresh: bool | tuple[int, ...], out: Any, into: set[int]) -> None:
+    """``_record`` once the op's entry is known: the per-op hot path."""
     if fresh is True:
         if isinstance(out, Tensor):
             try:
@@ -186,15 +196,16 @@ class _StorageRecorder(TorchDispatchMode):  # type: ignore[no-untyped-call]
         args: tuple[Any, ...] = (),
         kwargs: dict[str, Any] | None = None,
     ) -> Any:
+        _, fresh, call = _OPS.get(id(func)) or _op_entry(func)
         if not self.riders:
-            out = func(*args, **(kwargs or {}))
-            _record(func, out, self.seen)
+            out = call(*args, **kwargs) if kwargs else call(*args)
+            _note(fresh, out, self.seen)
             return out
         for before in self._before:
             before(args, kwargs)
         grad = torch.is_grad_enabled()
-        out = func(*args, **(kwargs or {}))
-        _record(func, out, self.seen)
+        out = call(*args, **kwargs) if kwargs else call(*args)
+        _note(fresh, out, self.seen)
         for after in self._after:
             after(func, out, grad)
         return out
@@ -449,9 +460,12 @@ class RecomputeCarry(_ModeScope, Rider):
         return _BackwardRecorder(self._recomputed, self._after_op)
 
     def after(self, func: Any, out: Any, grad: bool) -> None:
+        # _after_op inlined: once per op of the backward
         if grad:
             _record(func, out, self._recomputed)
-        self._after_op(grad)
+            self._running = True
+        elif self._running:
+            self._end_rerun()
 
     def _after_op(self, grad: bool) -> None:
         if grad:
