@@ -16,7 +16,7 @@ from hypothesis import currently_in_test_context, event, reject, target
 
 from gradequiv.harness import Case, Implementation, Verdict, verify
 from gradequiv.harness.engine.verify import verify_without_autocast_cache
-from gradequiv.harness.reports.diagnosis import divergence_cause
+from gradequiv.harness.reports.diagnosis import MEMORY_FINDINGS, divergence_cause
 from gradequiv.harness.reports.report import (
     SHRINK_KEY,
     pytest_reproduce_command,
@@ -167,12 +167,23 @@ def replay_passes(impl: Implementation, failure: dict[str, Any]) -> bool:
     return _failure(failure["property"], run.cache.replayed[key]) == ""
 
 
-def locate(impl: Implementation, failure: dict[str, Any]) -> None:
+def locate(impl: Implementation, failure: dict[str, Any], *, named: bool = False) -> None:
     """Add to a minimal failure the first recompute op that differs from the original
-    forward (``localisation``, and ``first_diverging_op`` when one is found)."""
+    forward (``localisation``, and ``first_diverging_op`` when one is found).
+
+    ``named``: the failure is a named case's. One whose case differs from full storage in
+    memory figures only is not searched: every value the op-level search compares already
+    agrees (each property that compares values held), so the search and the pattern
+    experiments (seconds apiece on the large named cases, a tenth of a leaking run for
+    all of them) could only say so again; the drawn minimal failure of the same fault is
+    searched, and says it."""
     from gradequiv.harness.engine.localise import localise
 
     case = Case.from_dict(failure["case"])
+    if named and memory_only(runtime.RUN.cache.get(impl, case, runtime.RUN.device())):
+        failure["localisation"] = MEMORY_ONLY
+        failure["first_diverging_op"] = None
+        return
     key = (runtime.implementation_key(impl), case.to_json())
     located = runtime.RUN.cache.located  # the failing tests of a run often share their minimal case
     if key not in located:
@@ -189,6 +200,22 @@ def locate(impl: Implementation, failure: dict[str, Any]) -> None:
         failure["localisation"] = "; ".join([
             f"every recomputed op of step 1 matched its original, and "
             f"{NOT_IN_OPS[failure['property']]}", *found.model])
+
+
+#: A named case's localisation where only memory figures differ (``locate``).
+MEMORY_ONLY = ("recomputed ops not searched: only memory figures differ from full storage's, "
+               "and every property that compares values held")
+
+
+def memory_only(verdict: Verdict | None) -> bool:
+    """Whether ``verdict`` fails on memory figures alone: the recompute property only, each
+    of its findings about bytes (nothing freed, a leak, re-runs held), none about values,
+    counts or an error."""
+    if verdict is None or verdict.error is not None:
+        return False
+    failing = [p for p in verdict.properties if p.passed is False]
+    return [p.name for p in failing] == ["recompute"] and bool(failing[0].failures) and all(
+        any(phrase in line for phrase in MEMORY_FINDINGS) for line in failing[0].failures)
 
 
 def _patterns_needed(impl: Implementation, case: Case, prop: str) -> list[str]:

@@ -419,7 +419,7 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) ->
                     runtime.RUN.failed_for_certain = True
             runtime.RUN.phase(f"the localisation of {test}'s minimal failure, "
                               f"{failure['description']}")
-            locate(impl, failure)
+            locate(impl, failure, named=named)
             report.longrepr = f"{report.longrepr}\n  {failure['localisation']}"
     return report
 

@@ -274,3 +274,51 @@ def test_the_exception_line_is_the_one_naming_what_was_raised() -> None:
     assert exception_line("Traceback ...\nValueError: boom\n") == "ValueError: boom"
     assert exception_line("Traceback ...\nKeyboardInterrupt\n") == "KeyboardInterrupt"
     assert exception_line("no exception named here\nlast words") == "last words"
+
+
+@pytest.mark.parametrize(("spec", "case", "memory"), [
+    (FAULTS + "saved_inputs_kept", "2L-layer-manual-attn", True),  # a leak
+    (FAULTS + "recomputed_held_to_backward_end", "2L-layer-manual-attn", True),
+    (FAULTS + "no_op", "1L-layer-dropout", False),  # "did not run again": a count
+    (FAULTS + "no_rng_restore", "1L-layer-dropout", False),  # values differ
+])
+def test_a_named_case_differing_in_memory_only_is_not_searched_op_by_op(
+        spec: str, case: str, memory: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every failing named case was searched op by op, and its pattern experiments run (a
+    sixth of a leaking run): for a fault seen in bytes alone, each could only say that
+    every value agrees. Such a named case keeps its cause, unsearched; a drawn minimal
+    failure of the same fault, and any case where values or counts differ, is searched."""
+    from gradequiv.harness.engine import localise as localise_module
+    from gradequiv.properties import assertions, runtime
+
+    impl, named = resolve(spec), find_case(case)
+    verdict, _ = runtime.RUN.cache.verify(impl, named, runtime.RUN.device())
+    assert assertions.memory_only(verdict) is memory
+    record = verdict_record(impl, verdict, torch.device("cpu"))
+    prop = next(p["name"] for p in record["properties"] if p["status"] == "fail")
+    failure = {"property": prop, "message": verdict.first_failure, "flaky": False,
+               "case": named.to_dict(), "description": named.describe(),
+               "reproduce": record["reproduce"]}
+
+    def searched(*_: Any) -> Any:
+        raise AssertionError("searched op by op")
+
+    monkeypatch.setattr(localise_module, "localise", searched)
+    runtime.RUN.cache.located.clear()
+    if not memory:
+        with pytest.raises(AssertionError, match="searched op by op"):
+            locate(impl, dict(failure), named=True)
+        return
+    unsearched = dict(failure)
+    locate(impl, unsearched, named=True)
+    assert unsearched["localisation"] == assertions.MEMORY_ONLY
+    assert unsearched["first_diverging_op"] is None
+    cause = diagnose(unsearched, record).cause
+    assert cause in ("leak", "recomputed-held")
+    with pytest.raises(AssertionError, match="searched op by op"):
+        locate(impl, dict(failure))  # a drawn minimal failure is searched
+    monkeypatch.undo()
+    runtime.RUN.cache.located.clear()
+    located = dict(failure)
+    locate(impl, located)
+    assert diagnose(located, record).cause == cause  # the same cause, searched or not

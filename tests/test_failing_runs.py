@@ -312,3 +312,27 @@ def test_a_floor_that_cannot_change_a_verdict_is_not_measured_and_says_so(
         record = next(r for r in report["cases"] if r["case"] == failure["case"])
         assert record.get("floor_measured", True), failure["description"]
         assert "(noise floor 0)" in record["first_failure"]
+
+
+def test_a_leaking_run_searches_op_by_op_only_its_drawn_minimal_failure(
+        tmp_path: Path) -> None:
+    """A leak shows in bytes alone: the drawn minimal failure is searched op by op (and
+    says every recomputed op matched), while the named cases failing the same way are not
+    (each search and its pattern experiments cost seconds on the large ones), and each
+    still names the minimal failure's cause."""
+    from gradequiv.properties.assertions import MEMORY_ONLY
+
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        code = main(["check", "--impl",
+                     "gradequiv.harness.implementations.faults:saved_inputs_kept",
+                     "--report-dir", str(tmp_path), "--in-process"])
+    assert code == 1
+    failures = json.loads((tmp_path / "report.json").read_text())["minimal_failures"]
+    named = [f for f in failures if f["test"].startswith("test_named_case")]
+    drawn = [f for f in failures if not f["test"].startswith("test_named_case")]
+    assert named and drawn
+    assert all(f["localisation"] == MEMORY_ONLY for f in named)
+    assert all(f["localisation"].startswith("no diverging op found") for f in drawn)
+    assert {f["diagnosis"]["cause"] for f in failures} == {"leak"}
+    assert "same cause as minimal failure 1 (leak)" in out.getvalue()

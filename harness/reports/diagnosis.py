@@ -32,8 +32,8 @@ from gradequiv.harness.errors import exception_line
 from gradequiv.harness.implementations.resolve import BUILTINS
 from gradequiv.models.kinds import SCHEDULE_MICRO_BATCHES
 
-__all__ = ["CAUSES", "Diagnosis", "diagnose", "distinct_faults", "divergence_cause",
-           "fault_key"]
+__all__ = ["CAUSES", "MEMORY_FINDINGS", "Diagnosis", "diagnose", "distinct_faults",
+           "divergence_cause", "fault_key"]
 
 #: Every cause a diagnosis can name.
 CAUSES = ("raised", "refuses-autograd-grad", "refuses-pattern", "in-flight-state",
@@ -85,6 +85,9 @@ def diagnose(failure: dict[str, Any], record: dict[str, Any] | None) -> Diagnosi
     return Diagnosis(cause, sentence, evidence, [c for c, _ in also], faults)
 
 
+#: What the recompute property's byte findings say (nothing freed, a leak, re-runs held to
+#: the end of backward): a difference in memory only, which no op's value shows.
+MEMORY_FINDINGS = ("nothing was freed", "a leak", "recomputed earlier for")
 #: Causes read from the recompute property's counts and bytes: evidence no value fault makes.
 _MEMORY_CAUSES = ("no-memory-saved", "no-recompute", "leak", "recomputed-held",
                   "recompute-count")
@@ -275,8 +278,7 @@ def _cause(failure: dict[str, Any], record: dict[str, Any] | None,
         return found
     recompute = texts.get("recompute", [])
     said = {key: next((t for t in recompute if key in t), "") for key in (
-        "nothing was recomputed", "nothing was freed", "a leak", "time(s) in",
-        "recomputed earlier for")}
+        "nothing was recomputed", "time(s) in", *MEMORY_FINDINGS)}
     if said["nothing was recomputed"] and said["nothing was freed"]:
         return "no-memory-saved", ("no memory was saved: the segments did not run again in "
                                    "backward and the recompute path held as many activation "
