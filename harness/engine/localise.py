@@ -40,7 +40,13 @@ from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_mod
 from torch.utils._pytree import tree_leaves
 
 from gradequiv.harness.engine.case import Case
-from gradequiv.harness.engine.model_watch import ModelWatch, same_values, tensor_key
+from gradequiv.harness.engine.model_watch import (
+    ModelWatch,
+    first_tensor,
+    op_tensors,
+    same_values,
+    tensor_key,
+)
 from gradequiv.harness.engine.path import build_path
 from gradequiv.harness.implementations.adapters import Implementation
 from gradequiv.models.segments import user_view
@@ -151,7 +157,7 @@ class _Recorder(TorchDispatchMode):  # type: ignore[no-untyped-call]  # untyped 
         out = func(*args, **(kwargs or {}))
         self.owner.watch.after(func, given)
         if ops is not None and not _skipped(func) and not self.owner.writes_buffer(func, args):
-            first = next((t for t in tree_leaves(out) if isinstance(t, Tensor)), None)
+            first = first_tensor(out)
             value = first.detach().clone() if first is not None else None
             recorded = _Op(str(func.overloadpacket.__name__), self.owner.module_path(), value)
             ops.append(recorded)
@@ -281,7 +287,7 @@ class _Made:
 
     def made(self, recorded: _Op, out: Any, ops: list[_Op], tracker: _Tracker) -> None:
         """After a recorded forward op of a segment: its first output's maker."""
-        tensor = next((t for t in tree_leaves(out) if isinstance(t, Tensor)), None)
+        tensor = first_tensor(out)
         if tensor is not None and tracker.segment:
             self._keep(tensor, (tracker.segment[-1], len(ops) - 1, recorded))
 
@@ -298,7 +304,7 @@ class _Made:
     def _copied(self, func: Any, args: Any, out: Any, tracker: _Tracker) -> None:
         name = func.overloadpacket.__name__
         source = args[1] if name == "copy_" and len(args) > 1 else args[0] if args else None
-        copy = next((t for t in tree_leaves(out) if isinstance(t, Tensor)), None)
+        copy = first_tensor(out)
         if name not in ("clone", "copy_", "_to_copy") or not isinstance(source, Tensor) \
                 or copy is None or copy.dtype != source.dtype or not tracker.segment \
                 or copy.data_ptr() in tracker.buffers:  # the model's state, not a store
@@ -367,7 +373,7 @@ class _Made:
         segment = tracker.segment[-1] if tracker.segment else tracker.implicit or ""
         if segment in self.stale:
             return
-        for tensor in (t for t in tree_leaves(given) if isinstance(t, Tensor)):
+        for tensor in op_tensors(*given):
             if tensor_key(tensor) in self.inputs:
                 continue
             for original, made_in, index, op, version in \

@@ -24,7 +24,7 @@ from torch import Tensor, nn
 from torch.utils._python_dispatch import _disable_current_modes
 from torch.utils._pytree import tree_flatten, tree_leaves
 
-__all__ = ["ModelWatch", "Phase", "same_values", "tensor_key"]
+__all__ = ["ModelWatch", "Phase", "first_tensor", "op_tensors", "same_values", "tensor_key"]
 
 
 class Phase(Protocol):
@@ -55,6 +55,9 @@ class ModelWatch:
         #: of each tensor among them
         self.arguments: list[tuple[int, list[tuple[Tensor, int]]]] = []
         self.broken = False  # a step of the watch failed: it says nothing
+        # the per-op steps, made soft once (not on every op)
+        self._soft_before = self._soft(self._before)
+        self._soft_after = self._soft(self._after)
 
     def _soft(self, step: Callable[..., Any]) -> Callable[..., Any]:
         """``step``, made to turn the watch off where it fails (on a kind of state it does
@@ -116,12 +119,12 @@ class ModelWatch:
 
     def before(self, func: Any, args: Any, kwargs: dict[str, Any],
                tracker: Phase) -> list[tuple[str, Tensor, Tensor | None]]:
-        given: list[tuple[str, Tensor, Tensor | None]] | None = self._soft(self._before)(
+        given: list[tuple[str, Tensor, Tensor | None]] | None = self._soft_before(
             func, args, kwargs, tracker)
         return given or []
 
     def after(self, func: Any, given: list[tuple[str, Tensor, Tensor | None]]) -> None:
-        self._soft(self._after)(func, given)
+        self._soft_after(func, given)
 
     def _before(self, func: Any, args: Any, kwargs: dict[str, Any],
                 tracker: Phase) -> list[tuple[str, Tensor, Tensor | None]]:
@@ -130,14 +133,15 @@ class ModelWatch:
         it wrote it (batch norm's schema does not say that it updates its statistics)."""
         if not self.running:
             return []
-        leaves = [t for t in tree_leaves((args, kwargs))
-                  if isinstance(t, Tensor) and tensor_key(t) in self.watched]
+        leaves = [t for t in op_tensors(args, kwargs) if tensor_key(t) in self.watched]
         if tracker.backward:
             self.read.update(tensor_key(t) for t in leaves)
             return []
         generator = kwargs.get("generator")
         if isinstance(generator, torch.Generator) and not _default(generator):
             self._drawn(func, generator, tracker)
+        if not leaves:
+            return []
         declared = {tensor_key(t) for t in _written(func, args, kwargs)}
         with _disable_current_modes():
             return [(self.watched[tensor_key(t)], t, None if tensor_key(t) in declared else
@@ -146,6 +150,8 @@ class ModelWatch:
     def _after(self, func: Any, given: list[tuple[str, Tensor, Tensor | None]]) -> None:
         """After an op: each watched tensor it wrote (its schema says so, or its values
         changed) has the op among its writers."""
+        if not given:
+            return
         name = str(func.overloadpacket.__name__)
         with _disable_current_modes():
             for label, tensor, copy in given:
@@ -362,6 +368,31 @@ def _same_generator(a: torch.Generator, b: torch.Generator) -> bool:
     moved = not torch.equal(b.get_state(), state)
     a.set_state(state)
     return moved
+
+
+def op_tensors(args: Any, kwargs: dict[str, Any] | None = None) -> list[Tensor]:
+    """The tensors an aten op is given (``args`` and ``kwargs``) or returns (``args``
+    alone): flat, or one list or tuple deep (``Tensor[]``, ``Tensor?[]``, a tuple of
+    returns); aten nests no deeper. In order, as a pytree walk gives them, at a fraction of
+    its cost, paid on every op of a watched run."""
+    items = args if isinstance(args, (tuple, list)) else (args,)
+    if kwargs:
+        items = (*items, *kwargs.values())
+    found: list[Tensor] = []
+    for item in items:
+        if isinstance(item, Tensor):
+            found.append(item)
+        elif isinstance(item, (tuple, list)):
+            found.extend(t for t in item if isinstance(t, Tensor))
+    return found
+
+
+def first_tensor(out: Any) -> Tensor | None:
+    """An op's first tensor return (``op_tensors``'s order); None if it returns none."""
+    if isinstance(out, Tensor):
+        return out
+    found = op_tensors(out) if isinstance(out, (tuple, list)) else []
+    return found[0] if found else None
 
 
 def tensor_key(tensor: Tensor) -> int:
