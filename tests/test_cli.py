@@ -313,3 +313,30 @@ def test_an_implementation_whose_module_fails_an_import_is_exit_2_naming_it(
     assert code == 2, err
     assert err.count("\n") == 1 and "PYTHONPATH" not in err
     assert f"importing {name!r} failed inside it" in err and missing in err
+
+
+def test_the_current_folders_conftest_files_are_not_imported(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+        capsys: pytest.CaptureFixture[str]) -> None:
+    """Run from a project's root, the check imported its conftest.py and tests/conftest.py
+    (pytest's anchor is the current folder when the suite is named as a package): one that
+    set a default dtype changed what was verified, one whose import failed ended the check."""
+    import torch
+
+    marker = tmp_path / "imported"
+    (tmp_path / "conftest.py").write_text(
+        "import pathlib, torch\n"
+        f"pathlib.Path({str(marker)!r}).write_text('root')\n"
+        "torch.set_default_dtype(torch.float64)\n")
+    (tmp_path / "tests").mkdir()
+    (tmp_path / "tests" / "conftest.py").write_text(
+        "raise ImportError('no module named internal_dev_tool')\n")
+    monkeypatch.chdir(tmp_path)
+    try:
+        code, out, _ = check(capsys, "--impl", "torch", *ONE, "--report-dir",
+                             str(tmp_path / "report"))
+    finally:
+        dtype = torch.get_default_dtype()
+        torch.set_default_dtype(torch.float32)
+    assert code == 0 and "verdict: pass" in out, out
+    assert not marker.exists() and dtype == torch.float32

@@ -298,14 +298,18 @@ def run_suite(suite_run: SuiteRun, pytest_args: list[str]) -> int:
     """pytest.main on the property suite, blind to the current folder's pytest configuration.
 
     The caller's addopts, filterwarnings or plugins must not change a verdict;
-    an empty ini file in a temporary folder stands in for theirs.
+    an empty ini file in a temporary folder stands in for theirs, and no conftest.py is
+    loaded: pytest would otherwise import the current folder's and its ``test*`` folders'
+    (the suite is named as a package, so the folder it starts from is the anchor), whose
+    code can change what is verified (a default dtype set) or end the check (an import
+    that fails).
     """
     import pytest
 
     # Without pytest's unraisable- and thread-exception plugins: at the end of a session
     # they collect garbage several times over (about 0.4 s of every check), to turn
     # exceptions no verdict reads into warnings.
-    args = ["--pyargs", "gradequiv.properties", "-p", "no:cacheprovider",
+    args = ["--pyargs", "gradequiv.properties", "--noconftest", "-p", "no:cacheprovider",
             "-p", "no:unraisableexception", "-p", "no:threadexception",
             "-W", "ignore::pytest.PytestAssertRewriteWarning", *pytest_args]
     if os.environ.get("PYTEST_DISABLE_PLUGIN_AUTOLOAD"):
