@@ -392,7 +392,6 @@ def _in_child(options: CheckOptions, timeout: float) -> tuple[int, str]:
     env = dict(os.environ)
     path = [p for p in sys.path if p and Path(p).exists()]
     env["PYTHONPATH"] = os.pathsep.join(p for p in [*path, env.get("PYTHONPATH")] if p)
-    env.pop("PYTEST_ADDOPTS", None)  # the caller's pytest options are not the suite's
     done = subprocess.run([sys.executable, "-m", "gradequiv.harness", *_argv(options, timeout)],
                           env=env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
                           stderr=subprocess.STDOUT, text=True, errors="replace", check=False)

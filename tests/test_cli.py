@@ -340,3 +340,38 @@ def test_the_current_folders_conftest_files_are_not_imported(
         torch.set_default_dtype(torch.float32)
     assert code == 0 and "verdict: pass" in out, out
     assert not marker.exists() and dtype == torch.float32
+
+
+def test_the_callers_pytest_options_and_plugins_do_not_reach_the_suite(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+        capsys: pytest.CaptureFixture[str]) -> None:
+    """A CI's PYTEST_ADDOPTS (-k, --collect-only), PYTEST_PLUGINS and the plugins installed
+    beside gradequiv reached the check's own pytest session: with -k one property test ran
+    and the check said pass, with --collect-only none ran and it exited 0."""
+    import os
+
+    deselect_all = ("def pytest_collection_modifyitems(config, items):\n"
+                    "    config.hook.pytest_deselected(items=list(items))\n"
+                    "    items[:] = []\n")
+    (tmp_path / "named_plugin.py").write_text(deselect_all)
+    (tmp_path / "installed_plugin.py").write_text(deselect_all)
+    dist = tmp_path / "installed_plugin-1.0.dist-info"
+    dist.mkdir()
+    (dist / "METADATA").write_text("Metadata-Version: 2.1\nName: installed-plugin\n"
+                                   "Version: 1.0\n")
+    (dist / "entry_points.txt").write_text("[pytest11]\ninstalled = installed_plugin\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.delenv("PYTEST_DISABLE_PLUGIN_AUTOLOAD", raising=False)
+    import importlib.metadata
+
+    assert any(d.metadata["Name"] == "installed-plugin"  # pytest would load it
+               for d in importlib.metadata.distributions())
+    for addopts, plugins in [("--collect-only", ""), ("-k gradients", ""),
+                             ("", "named_plugin"), ("", "")]:
+        monkeypatch.setenv("PYTEST_ADDOPTS", addopts)
+        monkeypatch.setenv("PYTEST_PLUGINS", plugins)
+        code, out, _ = check(capsys, "--impl", "torch", *ONE, "--report-dir",
+                             str(tmp_path / "report"))
+        assert code == 0 and "7 of 7 property tests passed" in out, (addopts, plugins, out)
+        assert os.environ["PYTEST_ADDOPTS"] == addopts  # put back for the caller
+        assert "PYTEST_DISABLE_PLUGIN_AUTOLOAD" not in os.environ

@@ -294,6 +294,14 @@ def _shape(value: Any) -> str:
     return type(value).__name__
 
 
+#: The plugins the suite's pytest session loads, and no other installed one: its own, and
+#: Hypothesis's.
+SUITE_PLUGINS = ("gradequiv.properties.plugin", "_hypothesis_pytestplugin")
+#: What pytest reads from the environment to change any session: options added to every
+#: run, and plugins to load.
+CALLERS_PYTEST = ("PYTEST_ADDOPTS", "PYTEST_PLUGINS")
+
+
 def run_suite(suite_run: SuiteRun, pytest_args: list[str]) -> int:
     """pytest.main on the property suite, blind to the current folder's pytest configuration.
 
@@ -302,7 +310,10 @@ def run_suite(suite_run: SuiteRun, pytest_args: list[str]) -> int:
     loaded: pytest would otherwise import the current folder's and its ``test*`` folders'
     (the suite is named as a package, so the folder it starts from is the anchor), whose
     code can change what is verified (a default dtype set) or end the check (an import
-    that fails).
+    that fails). Nor does the session read the caller's ``PYTEST_ADDOPTS`` or
+    ``PYTEST_PLUGINS``, or load the plugins installed beside it (``SUITE_PLUGINS`` only):
+    a CI's ``-k`` or ``--collect-only`` verified a part or nothing and still said pass, and
+    a plugin that shuffles tests breaks the order the search relies on.
     """
     import pytest
 
@@ -312,11 +323,30 @@ def run_suite(suite_run: SuiteRun, pytest_args: list[str]) -> int:
     args = ["--pyargs", "gradequiv.properties", "--noconftest", "-p", "no:cacheprovider",
             "-p", "no:unraisableexception", "-p", "no:threadexception",
             "-W", "ignore::pytest.PytestAssertRewriteWarning", *pytest_args]
-    if os.environ.get("PYTEST_DISABLE_PLUGIN_AUTOLOAD"):
-        args += ["-p", "gradequiv.properties.plugin"]
-    with torch_threads(suite_run.options.threads), \
+    for plugin in SUITE_PLUGINS:
+        args += ["-p", plugin]
+    with torch_threads(suite_run.options.threads), _suite_environment(), \
             tempfile.TemporaryDirectory(prefix="gradequiv-") as folder:
         ini = Path(folder) / "pytest.ini"
         ini.write_text("[pytest]\n", encoding="utf-8")
         return int(pytest.main(["-c", str(ini), f"--rootdir={folder}", *args],
                                plugins=[suite_run]))
+
+
+@contextlib.contextmanager
+def _suite_environment() -> Iterator[None]:
+    """The process's environment as the suite's pytest session must see it (no caller's
+    options or plugins, no plugin autoloading), put back as it was afterwards."""
+    saved = {name: os.environ.get(name) for name in (*CALLERS_PYTEST,
+                                                     "PYTEST_DISABLE_PLUGIN_AUTOLOAD")}
+    for name in CALLERS_PYTEST:
+        os.environ.pop(name, None)
+    os.environ["PYTEST_DISABLE_PLUGIN_AUTOLOAD"] = "1"
+    try:
+        yield
+    finally:
+        for name, value in saved.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
