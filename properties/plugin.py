@@ -105,6 +105,10 @@ def pytest_unconfigure(config: pytest.Config) -> None:
         import torch
 
         torch.set_num_threads(threads)
+    if _active(config) and runtime.RUN.pinned:
+        from gradequiv.harness.engine.global_state import unpin
+
+        unpin(runtime.RUN.pinned)
 
 
 def gpu_for_worker(worker: str, visible: list[str]) -> str | None:
@@ -219,6 +223,8 @@ def _activate(config: pytest.Config) -> None:
         torch.use_deterministic_algorithms(True)
         # cuBLAS needs a fixed workspace to be deterministic; set it before CUDA starts.
         os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+    if options.impl:  # a run of the suite: the regime's switches at torch's defaults
+        runtime.RUN.pin_regime()
     if options.impl and options.threads is not None:  # a run of the suite: set before it
         import torch
 
@@ -540,6 +546,10 @@ class _Gatherer:
         tried = f" (and {shrunk} more tried while shrinking)" if shrunk else ""
         write(f"{len(kept)} case(s) verified{tried}, {failing} failing; "
               f"{passed} of {len(self.outcomes)} property tests passed")
+        from gradequiv.harness.engine.global_state import pinned_lines
+
+        for line in pinned_lines(runtime.RUN.pinned):
+            write(f"note: torch's {line}")
         failed = self.failures or any(o != "passed" for o in self.outcomes.values())
         for line in [*headline_lines(self.failures), *summary_lines(self.failures,
                                                                   self.errors)]:
@@ -571,6 +581,10 @@ class _Gatherer:
             options=run.options, impl=impl, device=run.device(),
             records=list(self.records.values()), outcomes=self.outcomes,
             failures=self.failures, complete=complete, run=run.identity)
+        if run.pinned:
+            from gradequiv.harness.engine.global_state import pinned_lines
+
+            report["conditions"]["set_to_torch_defaults"] = pinned_lines(run.pinned)
         assert run.options.report_dir is not None
         write_json_atomic(run.options.report_dir / REPORT_FILE, report)
         self.written_at = time.monotonic()

@@ -151,6 +151,9 @@ class SuiteState:
         self.failed_for_certain = False
         #: the pytest command line of a run started by pytest itself (None: by ``check``)
         self.pytest_args: list[str] | None = None
+        #: torch's regime-defining switches the run set back to its defaults, and what each
+        #: was (``global_state.pin_regime``): said in the report, put back after the run
+        self.pinned: dict[str, Any] = {}
         if observer is not None:
             self.cache.on_start = observer.case_started
             self.on_record.append(observer.case_finished)
@@ -196,7 +199,17 @@ class SuiteState:
             assert self.options.impl is not None
             self._implementation = resolve(self.options.impl, adapter=self.options.adapter,
                                            kwargs=self.options.kwargs)
+            self.pin_regime()  # its module's import may have set one
         return self._implementation
+
+    def pin_regime(self) -> None:
+        """torch's switches that say what a regime means (the default dtype, ...) back at
+        torch's defaults, whatever an import or the caller set: the first value each had
+        is kept, to say so and to put back when the run ends."""
+        from gradequiv.harness.engine.global_state import pin_regime
+
+        for label, value in pin_regime().items():
+            self.pinned.setdefault(label, value)
 
     def grad_modes(self) -> tuple[str, ...]:
         """The grad modes to draw: those the named implementation supports, or every one

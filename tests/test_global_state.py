@@ -244,3 +244,52 @@ def test_a_global_hook_the_implementation_removed_is_put_back() -> None:
         assert nn_module._global_forward_hooks_always_called == {handle.id: True}
     finally:
         handle.remove()
+
+
+def test_the_regimes_switches_are_set_back_to_torchs_defaults_and_then_put_back() -> None:
+    torch.set_default_dtype(torch.float64)
+    torch.set_autocast_enabled("cpu", True)
+    torch.set_grad_enabled(False)
+    changed = global_state.pin_regime()
+    now = (torch.get_default_dtype(), torch.is_autocast_enabled("cpu"), torch.is_grad_enabled())
+    global_state.unpin(changed)
+    assert now == (torch.float32, False, True)
+    assert set(changed) == {"default dtype", "autocast on cpu", "grad enabled"}
+    assert torch.get_default_dtype() == torch.float64 and torch.is_autocast_enabled("cpu")
+    assert not torch.is_grad_enabled()
+    assert "default dtype was torch.float64" in global_state.pinned_lines(changed)[0]
+
+
+def test_an_implementation_whose_import_sets_the_default_dtype_is_checked_in_its_regime(
+        tmp_path: Any, monkeypatch: pytest.MonkeyPatch,
+        capsys: pytest.CaptureFixture[str]) -> None:
+    """A module that sets torch's default dtype when imported ran every fp32 case in
+    float64, and the report said fp32 and pass: the cases run as their regimes say, the
+    run says what it set back, and the caller gets its float64 back."""
+    import json
+
+    from gradequiv.harness.cli import main
+
+    seen = tmp_path / "seen"
+    (tmp_path / "float64_impl.py").write_text(
+        "import pathlib, torch\n"
+        "from torch.utils.checkpoint import checkpoint\n"
+        "torch.set_default_dtype(torch.float64)\n\n\n"
+        "def my_checkpoint(function, *args, **kwargs):\n"
+        f"    pathlib.Path({str(seen)!r}).write_text(\n"
+        "        f'{args[0].dtype} {torch.get_default_dtype()}')\n"
+        "    return checkpoint(function, *args, use_reentrant=False, **kwargs)\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    try:
+        code = main(["check", "--in-process", "--impl", "float64_impl:my_checkpoint",
+                     "--case", "1L-layer-dropout", "--report-dir", str(tmp_path / "r")])
+        after = torch.get_default_dtype()
+    finally:
+        torch.set_default_dtype(torch.float32)
+    out = capsys.readouterr().out
+    assert code == 0, out
+    assert seen.read_text() == "torch.float32 torch.float32"
+    assert "note: torch's default dtype was torch.float64 before the run" in out
+    conditions = json.loads((tmp_path / "r" / "report.json").read_text())["conditions"]
+    assert conditions["set_to_torch_defaults"][0].startswith("default dtype was torch.float64")
+    assert after == torch.float64  # the caller's, put back

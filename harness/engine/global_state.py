@@ -31,7 +31,8 @@ from typing import Any
 
 import torch
 
-__all__ = ["GlobalState", "diff", "restore", "snapshot"]
+__all__ = ["REGIME_DEFAULTS", "GlobalState", "diff", "pin_regime", "pinned_lines", "restore",
+           "snapshot", "unpin"]
 
 
 @dataclass(frozen=True)
@@ -368,6 +369,47 @@ def restore(state: GlobalState) -> list[str]:
             except Exception:  # noqa: S112  # reported below as not put back
                 continue
     return diff(state, snapshot())
+
+
+#: The switches that say what a case's regime means ("fp32" is float32 tensors, made on
+#: the case's device, autocast entered by the case alone, gradients on), at torch's own
+#: defaults: a run of the suite starts from these, whatever an import (the implementation's
+#: module, a model factory's) or its caller set before it.
+REGIME_DEFAULTS: dict[str, object] = {
+    "default dtype": torch.float32,
+    "default device": torch.device("cpu"),
+    "grad enabled": True,
+    "autocast on cpu": False,
+    "autocast on cuda": False,
+}
+
+
+def pin_regime() -> dict[str, object]:
+    """Set each switch of ``REGIME_DEFAULTS`` that differs back to torch's default (on the
+    calling thread); what each was, for :func:`unpin` and for saying so."""
+    now = dict(snapshot().values)
+    changed: dict[str, object] = {}
+    for switch in _SWITCHES:
+        if switch.label in REGIME_DEFAULTS and switch.set is not None \
+                and now.get(switch.label, REGIME_DEFAULTS[switch.label]) \
+                != REGIME_DEFAULTS[switch.label]:
+            changed[switch.label] = now[switch.label]
+            switch.set(REGIME_DEFAULTS[switch.label])
+    return changed
+
+
+def pinned_lines(changed: dict[str, object]) -> list[str]:
+    """:func:`pin_regime`'s changes, one readable line each."""
+    return [f"{label} was {_show(value)} before the run (set by an import or the caller); the "
+            f"cases ran with {_show(REGIME_DEFAULTS[label])}, as their regimes say"
+            for label, value in changed.items()]
+
+
+def unpin(changed: dict[str, object]) -> None:
+    """Put back what :func:`pin_regime` changed."""
+    for switch in _SWITCHES:
+        if switch.label in changed and switch.set is not None:
+            switch.set(changed[switch.label])
 
 
 def _show(value: object) -> str:
