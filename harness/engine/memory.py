@@ -54,9 +54,11 @@ _OPS: dict[int, tuple[Any, bool | tuple[int, ...], Callable[..., Any]]] = {}
 
 
 def _op_entry(func: Any) -> tuple[Any, bool | tuple[int, ...], Callable[..., Any]]:
-    """``func``'s entry in ``_OPS``, made on its first call. An op overload is run through
-    the callable its ``__call__`` forwards to (``_op``): one Python frame less per op."""
-    entry = _OPS[id(func)] = (func, _fresh_returns(func), getattr(func, "_op", func))
+    """``func``'s entry in ``_OPS``, made on its first call. A plain op overload is run
+    through the callable its ``__call__`` forwards to (``_op``): one Python frame less per
+    op; any other kind of op (a higher-order op, a TorchBind overload) through itself."""
+    call = func._op if type(func) is torch._ops.OpOverload else func
+    entry = _OPS[id(func)] = (func, _fresh_returns(func), call)
     return entry
 
 
