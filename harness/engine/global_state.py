@@ -387,13 +387,13 @@ REGIME_DEFAULTS: dict[str, object] = {
 def pin_regime() -> dict[str, object]:
     """Set each switch of ``REGIME_DEFAULTS`` that differs back to torch's default (on the
     calling thread); what each was, for :func:`unpin` and for saying so."""
-    now = dict(snapshot().values)
     changed: dict[str, object] = {}
     for switch in _SWITCHES:
-        if switch.label in REGIME_DEFAULTS and switch.set is not None \
-                and now.get(switch.label, REGIME_DEFAULTS[switch.label]) \
-                != REGIME_DEFAULTS[switch.label]:
-            changed[switch.label] = now[switch.label]
+        if switch.label not in REGIME_DEFAULTS or switch.set is None:
+            continue
+        value = _read(switch)
+        if value is not _ABSENT and value != REGIME_DEFAULTS[switch.label]:
+            changed[switch.label] = value
             switch.set(REGIME_DEFAULTS[switch.label])
     return changed
 

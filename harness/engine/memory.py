@@ -462,12 +462,9 @@ class RecomputeCarry(_ModeScope, Rider):
         return _BackwardRecorder(self._recomputed, self._after_op)
 
     def after(self, func: Any, out: Any, grad: bool) -> None:
-        # _after_op inlined: once per op of the backward
         if grad:
             _record(func, out, self._recomputed)
-            self._running = True
-        elif self._running:
-            self._end_rerun()
+        self._after_op(grad)
 
     def _after_op(self, grad: bool) -> None:
         if grad:
