@@ -82,6 +82,13 @@ def _runs(block: Block) -> bool:
     return not {"file", "excerpt", "skip"} & block.attrs.keys()
 
 
+def runs_here(block: Block) -> bool:
+    """Whether ``block`` is run (not saved, quoted or skipped) where this process runs: its
+    ``needs`` library, if any, is installed."""
+    needs = block.attrs.get("needs")
+    return _runs(block) and (needs is None or importlib.util.find_spec(needs) is not None)
+
+
 def run_page(page: Page, folder: Path) -> int:
     """Run the page's blocks in order in ``folder`` (docs/examples copied in); how many
     ran. Fails the calling test at the first block that does not do what it says."""

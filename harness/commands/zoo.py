@@ -412,7 +412,8 @@ def _serve(conn: Connection, check: Callable[[str], dict[str, Any]],
 
     if threads is not None:
         torch.set_num_threads(threads)
-    _import_transformers()
+    if check is check_architecture:  # its import, before the first row's clock starts
+        _import_transformers()
     conn.send("ready")
     while (name := conn.recv()) is not None:
         conn.send(check(name))
