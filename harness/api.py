@@ -148,6 +148,7 @@ class Report:
 
     def __str__(self) -> str:
         from gradequiv.harness.reports.terminal import headline_lines, summary_lines
+        from gradequiv.harness.reports.text import bounded, printable
 
         impl = self.data.get("implementation") or {}
         lines = [f"gradequiv check: {impl.get('spec', '?')} ({impl.get('adapter', '?')}): "
@@ -155,8 +156,8 @@ class Report:
         lines += [f"note: {note}" for note in self.notes]
         ended = self.data.get("failure") if self.data.get("complete") is False else None
         if ended:
-            lines.append(f"the run did not finish: {ended.get('message', ended)}"
-                         if isinstance(ended, dict) else f"the run did not finish: {ended}")
+            message = ended.get("message", ended) if isinstance(ended, dict) else ended
+            lines.append(f"the run did not finish: {printable(bounded(str(message)))}")
         failures = [dict(f, test=f.get("test", "")) for f in
                     self.data.get("minimal_failures") or []]
         if self.folder is None:  # the case files went with the temporary folder
@@ -165,7 +166,8 @@ class Report:
         lines += headline_lines(failures)
         lines += summary_lines(failures, {})
         if not self.passed and not failures and not ended:
-            lines += self.output.strip().splitlines()[-5:]
+            lines += [printable(bounded(line)) for line in
+                      self.output.strip().splitlines()[-5:]]
         lines.append(f"verdict: {'pass' if self.passed else 'FAIL'}")
         return "\n".join(lines)
 

@@ -492,6 +492,8 @@ class _Gatherer:
         if "test_recompute.py::" not in report.nodeid:
             return
         self.collected = True  # under xdist the controller collects nothing itself
+        from gradequiv.harness.reports.text import bounded, bounded_texts
+
         test = report.nodeid.split("::")[-1]
         found = []
         for key, value in report.user_properties:
@@ -500,12 +502,13 @@ class _Gatherer:
             if key == CASE_KEY:
                 self._keep(value)
             elif key == FAILURE_KEY and report.failed and report.when == "call":
-                found.append(dict(value, test=test))
+                # its message and localisation quote the implementation's exception
+                found.append(bounded_texts(dict(value, test=test)))
         for failure in found:  # after the loop: its case's record is in by now
             self._explain(failure)
             self.failures.append(failure)
         if report.failed and not found:  # no verdict to show: say why it failed
-            self.errors[test] = _why_failed(str(report.longrepr)) or report.outcome
+            self.errors[test] = bounded(_why_failed(str(report.longrepr)) or report.outcome)
         if report.when == "call" or report.failed:
             self.outcomes[test] = report.outcome
         if report.when == "teardown":

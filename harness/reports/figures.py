@@ -12,10 +12,13 @@ import math
 from typing import Any
 
 from gradequiv.harness.reports.findings import error_scale, layer_errors
+from gradequiv.harness.reports.text import printable
 
 __all__ = ["MISSING_MATPLOTLIB", "frontier_png", "gradient_heatmap_png"]
 
 MISSING_MATPLOTLIB = "matplotlib is not installed (pip install 'gradequiv[plot]')"
+#: characters of a user's name a picture shows (a tick label, a title line)
+LABEL_CHARS = 48
 
 
 def _pyplot() -> Any:
@@ -62,16 +65,28 @@ def gradient_heatmap_png(record: dict[str, Any], *, scale: tuple[float, float] |
     cmap = ListedColormap(plt.get_cmap("magma_r")(np.linspace(0.12, 0.92, 256))).with_extremes(
         under="white", over="#1f6feb", bad="#d0d0d0")
     width = 2.2 + 0.55 * len(columns)
-    fig, ax = plt.subplots(figsize=(width, 1.6 + 0.4 * len(rows)), dpi=110)
+    below = [_label(c) for c in columns]  # slanted under the grid: the longest sets its room
+    height = 1.6 + 0.4 * len(rows) + 0.045 * max(len(label) for label in below)
+    fig, ax = plt.subplots(figsize=(width, height), dpi=110)
     image = ax.imshow(values, aspect="auto", cmap=cmap, norm=LogNorm(low, high))
-    ax.set_xticks(range(len(columns)), columns, rotation=60, ha="right", fontsize=7)
-    ax.set_yticks(range(len(rows)), rows, fontsize=7)
+    ax.set_xticks(range(len(columns)), below, rotation=60, ha="right", fontsize=7)
+    ax.set_yticks(range(len(rows)), [_label(r) for r in rows], fontsize=7)
     heading = title or record.get("name") or record.get("description") or "failing case"
-    ax.set_title("\n".join(textwrap.wrap(heading, int(width * 11))), fontsize=8)
+    lines = textwrap.wrap(_label(heading, 4 * LABEL_CHARS), int(width * 11))
+    ax.set_title("\n".join(lines), fontsize=8)
     bar = fig.colorbar(image, ax=ax, fraction=0.05, extend="both")
     bar.set_label("relative error (white: bitwise equal)", fontsize=7)
     bar.ax.tick_params(labelsize=7)
     return _png(fig, plt)
+
+
+def _label(text: str, limit: int = LABEL_CHARS) -> str:
+    """A name from the user's model as a picture shows it: cut to ``limit`` characters,
+    control characters and lone surrogates spelled out (no font has them, and a surrogate
+    stops matplotlib), and ``$`` escaped (a pair would be read as mathematics, and broken
+    mathematics stops the page)."""
+    shown = printable(text).replace("$", "\\$")
+    return shown if len(shown) <= limit else shown[:limit - 3] + "..."
 
 
 def _heat_value(error: float, low: float, high: float) -> float:

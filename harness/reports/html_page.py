@@ -7,11 +7,15 @@ why it failed and how to re-run it before any table. Per minimal failure a
 heatmap of relative gradient error per layer and parameter, all on one
 colour scale, shows where the fault sits (one layer, every layer, only the
 attention's weights ...), which a table of thirty numbers hides.
+
+Every text on the page is escaped (``html.escape``), and the page goes out
+:func:`~gradequiv.harness.reports.text.printable`: a message is the implementation's.
 """
 
 from __future__ import annotations
 
 import base64
+import dataclasses
 from html import escape
 from typing import Any
 
@@ -33,6 +37,8 @@ from gradequiv.harness.reports.tables import (
     profile_summary,
     profile_tables,
 )
+from gradequiv.harness.reports.report import bounded_report
+from gradequiv.harness.reports.text import printable
 
 __all__ = ["heatmap_cases", "render_html"]
 
@@ -58,6 +64,8 @@ img { max-width: 100%; border: 1px solid #eee; } .small { color: #666; font-size
 
 
 def render_html(bundle: ReportBundle) -> str:
+    if bundle.report is not None:  # a report.json written by another version, or edited
+        bundle = dataclasses.replace(bundle, report=bounded_report(bundle.report))
     parts = [f"<h1>gradequiv: <span class='{bundle.verdict}'>{escape(bundle.heading)}</span>"
              "</h1>"]
     if bundle.verdict == "unchecked":
@@ -66,9 +74,10 @@ def render_html(bundle: ReportBundle) -> str:
     for name, data in bundle.parts():
         parts += sections[name](data)
     body = "\n".join(parts)
-    return (f"<!DOCTYPE html>\n<html lang='en'><head><meta charset='utf-8'>"
-            f"<title>gradequiv report: {escape(bundle.heading)}</title><style>{_STYLE}</style>"
-            f"</head><body>\n{body}\n</body></html>\n")
+    return printable(
+        f"<!DOCTYPE html>\n<html lang='en'><head><meta charset='utf-8'>"
+        f"<title>gradequiv report: {escape(bundle.heading)}</title><style>{_STYLE}</style>"
+        f"</head><body>\n{body}\n</body></html>\n")
 
 
 #: What a folder without report.json or mutants.json says instead of a verdict.

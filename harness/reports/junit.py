@@ -6,15 +6,28 @@ a dtype regime and a recompute granularity kind (``layer``, ``every``,
 not one of thirty drawn shapes. Each failing testcase carries its smallest
 failing case (the property suite's shrunk example when there is one) and the
 command that reproduces it.
+
+A message may hold characters XML 1.0 cannot (NUL, ESC, a lone surrogate): they are
+spelled out (``\\x1b``) and the file says so once, so it stays well-formed whatever the
+implementation raised.
 """
 
 from __future__ import annotations
 
 import json
+import re
 import xml.etree.ElementTree as ET
 from typing import Any
 
+from gradequiv.harness.reports.report import bounded_report
+from gradequiv.harness.reports.text import spelled
+
 __all__ = ["case_family", "render_junit"]
+
+#: what XML 1.0 cannot hold: C0 controls but tab, newline and CR, surrogates, U+FFFE, U+FFFF
+_NOT_XML = re.compile("[\x00-\x08\x0b\x0c\x0e-\x1f\ud800-\udfff\ufffe\uffff]")
+#: said once, where the first replacement was made
+_REPLACED = "(characters XML cannot hold were replaced by escapes such as \\x1b)"
 
 
 def case_family(case: dict[str, Any]) -> str:
@@ -29,6 +42,7 @@ def _size(case: dict[str, Any]) -> int:
 
 
 def render_junit(report: dict[str, Any]) -> str:
+    report = bounded_report(report)  # one written by another version, or edited
     impl = report["implementation"]["spec"]
     groups: dict[tuple[str, str], list[tuple[dict[str, Any], dict[str, Any]]]] = {}
     for record in report["cases"]:
@@ -89,5 +103,28 @@ def render_junit(report: dict[str, Any]) -> str:
     suite.set("failures", str(failures))
     suite.set("errors", str(errors))
     suite.set("skipped", str(skipped))
+    _xml_safe(suite)
     ET.indent(suite)
     return ET.tostring(suite, encoding="unicode", xml_declaration=True) + "\n"
+
+
+def _xml_safe(suite: ET.Element) -> None:
+    """Spell out what XML cannot hold in every text and attribute of ``suite``, and say so
+    once: in the text of the first failure, error or skip that held some, else the suite's
+    ``system-err``."""
+    replaced: list[ET.Element] = []
+    for element in suite.iter():
+        texts = [element.text or "", *element.attrib.values()]
+        if not any(_NOT_XML.search(t) for t in texts):
+            continue
+        replaced.append(element)
+        if element.text:
+            element.text = _NOT_XML.sub(spelled, element.text)
+        for name, value in list(element.attrib.items()):
+            element.set(name, _NOT_XML.sub(spelled, value))
+    if not replaced:
+        return
+    said = next((e for e in replaced if e.tag in ("failure", "error", "skipped")), None)
+    if said is None:
+        said = ET.SubElement(suite, "system-err")
+    said.text = f"{said.text or ''}{_REPLACED}\n"

@@ -3,10 +3,18 @@
 Sized for a CI job summary (GitHub's $GITHUB_STEP_SUMMARY): a reader sees in
 the first lines whether the build should stop and why, and can copy one
 command to reproduce the first failure locally.
+
+Text from the run (messages, names, a user's module names, what it printed) is the
+implementation's: a CI page renders HTML and Markdown in it, so it goes through
+:func:`_md` (escaped), :func:`_code` (a code span it cannot close) or :func:`_fenced`
+(a block it cannot close).
 """
 
 from __future__ import annotations
 
+import dataclasses
+import re
+from html import escape
 from typing import Any
 
 from gradequiv.harness.reports.bundle import ReportBundle
@@ -18,6 +26,8 @@ from gradequiv.harness.reports.tables import (
     profile_summary,
     profile_tables,
 )
+from gradequiv.harness.reports.report import bounded_report
+from gradequiv.harness.reports.text import encodable, printable
 
 __all__ = ["mutants_markdown", "profile_markdown", "render_markdown"]
 
@@ -25,6 +35,8 @@ MAX_FAILURES = 10
 
 
 def render_markdown(bundle: ReportBundle) -> str:
+    if bundle.report is not None:  # a report.json written by another version, or edited
+        bundle = dataclasses.replace(bundle, report=bounded_report(bundle.report))
     lines = [f"## gradequiv: {bundle.heading}", ""]
     if bundle.verdict == "unchecked":
         lines += ["This folder holds a profile only: memory and step time were measured, no "
@@ -33,17 +45,50 @@ def render_markdown(bundle: ReportBundle) -> str:
     sections = {"check": _check, "mutants": _mutants, "profile": _profile}
     for name, data in bundle.parts():
         lines += sections[name](data)
-    return "\n".join(lines).rstrip() + "\n"
+    return encodable("\n".join(lines).rstrip() + "\n")
+
+
+#: Markdown's marks anywhere in a line: code, emphasis, links and images, tables, strikes,
+#: GitHub's mathematics
+_MARKS = re.compile(r"([\\`*\[\]|~$])")
+#: ``_`` opens emphasis only after a character that is no letter or digit
+_OPENING_UNDERSCORE = re.compile(r"(?<![0-9A-Za-z])_")
+#: what makes a line a heading, quote, list item, rule or setext underline
+_LINE_START = re.compile(r"^(\s*\d*)([-+=#.)])")
+
+
+def _md(text: Any) -> str:
+    """``text`` from the run as one line of Markdown that shows it as it is: no HTML, link,
+    image, emphasis or line structure of its own, control characters spelled out."""
+    line = " ".join(printable(str(text)).splitlines())
+    line = _OPENING_UNDERSCORE.sub(r"\\_", _MARKS.sub(r"\\\1", escape(line, quote=False)))
+    return _LINE_START.sub(lambda m: m.group(1) + "\\" + m.group(2), line)
+
+
+def _code(text: Any) -> str:
+    """``text`` as a code span that no backtick in it can close (one line)."""
+    line = " ".join(printable(str(text)).splitlines())
+    ticks = "`" * (max((len(run) for run in re.findall("`+", line)), default=0) + 1)
+    pad = " " if line.startswith("`") or line.endswith("`") else ""
+    return f"{ticks}{pad}{line}{pad}{ticks}"
+
+
+def _fenced(text: str, info: str) -> list[str]:
+    """``text`` as a fenced block whose fence is longer than any run of backticks in it, so
+    no line of it can close the block."""
+    shown = printable(text).rstrip("\n")
+    fence = "`" * max(3, max((len(run) for run in re.findall("`+", shown)), default=0) + 1)
+    return [fence + info, shown, fence]
 
 
 def _check(report: dict[str, Any]) -> list[str]:
     impl = report["implementation"]
-    kwargs = "".join(f", {k}={v}" for k, v in impl["kwargs"].items())
+    kwargs = "".join(f", {_md(k)}={_md(v)}" for k, v in impl["kwargs"].items())
     summary = report["summary"]
     tests = report.get("tests", {})
     passed = sum(v == "passed" for v in tests.values())
-    head = (f"**{report['verdict'].upper()}**: `{impl['spec']}` ({impl['adapter']}{kwargs}), "
-            f"{summary['run']} cases, {summary['failed']} failing")
+    head = (f"**{report['verdict'].upper()}**: {_code(impl['spec'])} ({_md(impl['adapter'])}"
+            f"{kwargs}), {summary['run']} cases, {summary['failed']} failing")
     if summary.get("shrink_attempts"):
         head += f" ({summary['shrink_attempts']} more tried while shrinking: counted, not kept)"
     if tests:
@@ -55,9 +100,9 @@ def _check(report: dict[str, Any]) -> list[str]:
     findings = find(report)
     sites = ", ".join(f"{site} ({n} cases, {bad} failing)"
                       for site, (n, bad) in sorted(findings.sites.items()))
-    lines += [f"- **How close:** {findings.closeness()}.",
-              f"- **How consistent:** {findings.consistency()}.",
-              f"- **Random sites exercised:** {sites or 'none'}.", *_floor(report), ""]
+    lines += [f"- **How close:** {_md(findings.closeness())}.",
+              f"- **How consistent:** {_md(findings.consistency())}.",
+              f"- **Random sites exercised:** {_md(sites or 'none')}.", *_floor(report), ""]
     groups = failure_groups(report)
     if groups:
         lines += ["### Failures", ""]
@@ -68,7 +113,7 @@ def _check(report: dict[str, Any]) -> list[str]:
             lines += [f"... and {len(groups) - MAX_FAILURES} more in report.json.", ""]
     if tests:
         lines += ["| property test | outcome |", "|---|---|"]
-        lines += [f"| {name} | {outcome} |" for name, outcome in tests.items()]
+        lines += [f"| {_md(name)} | {_md(outcome)} |" for name, outcome in tests.items()]
         lines.append("")
     lines += [_conditions(report["conditions"]), ""]
     return lines
@@ -84,39 +129,40 @@ def _diagnosis(report: dict[str, Any]) -> list[str]:
     if len(faults) > 1:  # every fault the run found, each with its case and command
         lines = [f"### {len(faults)} distinct faults", ""]
         for number, fault in enumerate(faults, start=1):
-            lines += [f"{number}. **{fault['sentence']}** (seen in {fault['found_in']}: "
-                      f"{fault['case']}): `{fault.get('reproduce_file') or fault['reproduce']}`"]
+            lines += [f"{number}. **{_md(fault['sentence'])}** (seen in "
+                      f"{_md(fault['found_in'])}: {_md(fault['case'])}): "
+                      f"{_code(fault.get('reproduce_file') or fault['reproduce'])}"]
         return [*lines, ""]
-    lines = [f"### {diagnosis['sentence']}", ""]
-    evidence = [f"- {e}" for e in diagnosis.get("evidence") or []]
+    lines = [f"### {_md(diagnosis['sentence'])}", ""]
+    evidence = [f"- {_md(e)}" for e in diagnosis.get("evidence") or []]
     lines += [*evidence, ""] if evidence else []
     command = headline_command(report)
-    return lines + (["```sh", command, "```", ""] if command else [])
+    return lines + ([*_fenced(command, "sh"), ""] if command else [])
 
 
 def _failure(group: FailureGroup, said: list[str]) -> list[str]:
     """One case's minimal failures, with every property and test it fails; evidence the
     headline's diagnosis (``said``) already lists is not listed twice."""
-    names = [f"`{f['property']}`{' (flaky: passed on replay)' if f.get('flaky') else ''}"
+    names = [f"{_code(f['property'])}{' (flaky: passed on replay)' if f.get('flaky') else ''}"
              for f in group.failures if f.get("property")]
-    tests = f" ({', '.join(group.tests)})" if group.tests else ""
-    lines = [f"**{', '.join(dict.fromkeys(names)) or 'case'}**{tests}: {group.description}", ""]
+    tests = f" ({_md(', '.join(group.tests))})" if group.tests else ""
+    lines = [f"**{', '.join(dict.fromkeys(names)) or 'case'}**{tests}: "
+             f"{_md(group.description)}", ""]
     for sentence in group.sentences:
-        lines += [f"**{sentence}**", ""]
+        lines += [f"**{_md(sentence)}**", ""]
     if group.evidence and group.evidence == list(said):
         lines += ["Evidence: as in the diagnosis above.", ""]
     elif group.evidence:
-        lines += [*(f"- {e}" for e in group.evidence), ""]
-    for text in [*group.messages, *group.localisations]:
-        lines += [f"> {text}", ""]
-    lines += ["```sh", group.command, "```", ""]
+        lines += [*(f"- {_md(e)}" for e in group.evidence), ""]
+    for text in [*group.messages, *group.localisations]:  # a quote, line by line
+        lines += [*(f"> {_md(line)}" for line in str(text).splitlines() or [""]), ""]
+    lines += [*_fenced(group.command, "sh"), ""]
     output: dict[str, str] = next(
         (f["output"] for f in group.failures if f.get("output")), {})
     for stream, text in output.items():
         if text.strip():
-            fence = "~~~~" if "```" in text else "```"
-            lines += [f"The implementation printed to {stream}:", "", fence + "text",
-                      text.rstrip("\n"), fence, ""]
+            lines += [f"The implementation printed to {_md(stream)}:", "",
+                      *_fenced(text, "text"), ""]
     return lines
 
 
@@ -137,7 +183,8 @@ def _floor(report: dict[str, Any]) -> list[str]:
 def _conditions(conditions: dict[str, Any]) -> str:
     keys = ("torch", "device", "device_name", "threads", "deterministic_algorithms", "seed",
             "profile", "examples_per_property", "python", "gradequiv")
-    return "Conditions: " + ", ".join(f"{k} {conditions[k]}" for k in keys if k in conditions)
+    return "Conditions: " + ", ".join(f"{k} {_md(conditions[k])}" for k in keys
+                                      if k in conditions)
 
 
 def mutants_markdown(mutants: dict[str, Any]) -> str:

@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any
 
 from gradequiv.harness.options import CheckOptions
 from gradequiv.harness.reports.diagnosis import diagnose, distinct_faults
+from gradequiv.harness.reports.text import bounded_texts
 
 if TYPE_CHECKING:  # torch is imported on use: a supervisor writes reports without it
     import torch
@@ -28,6 +29,17 @@ if TYPE_CHECKING:  # torch is imported on use: a supervisor writes reports witho
 SCHEMA_VERSION = 1
 #: marks a case record made while a failure was shrunk: counted in the report, not kept
 SHRINK_KEY = "shrink_attempt"
+#: The parts of a report whose texts are kept where the same text comes again (cut there):
+#: the headline failure, its diagnosis first, then the minimal failures; in a case, its
+#: traceback (a diagnosis reads the exception from it).
+KEPT_FIRST = ("failure", "diagnosis", "error", "minimal_failures", "faults")
+
+
+def bounded_report(report: dict[str, Any]) -> dict[str, Any]:
+    """``report`` with its texts bounded (:func:`~.text.bounded_texts`): a long text (the
+    same exception in every case and every failure) is kept once among the failures, the
+    headline's first, and once among the cases, and cut wherever it comes again."""
+    return bounded_texts(report, first=KEPT_FIRST, apart=("cases",))
 
 
 def gradequiv_version() -> str:
@@ -119,6 +131,8 @@ def bounded_output(stdout: str, stderr: str) -> dict[str, str]:
 
 def verdict_record(impl: Implementation, verdict: Verdict, device: torch.device, *,
                    reproduce: str | None = None) -> dict[str, Any]:
+    """The record of one case in report.json; its texts (the implementation's exception,
+    warnings, tensor names of a user's model) bounded here, where they come in."""
     properties = []
     for prop in verdict.properties:
         status = {True: "pass", False: "fail", None: "n/a"}[prop.passed]
@@ -156,7 +170,7 @@ def verdict_record(impl: Implementation, verdict: Verdict, device: torch.device,
         record["gradient_errors"] = {
             c.name: _finite_number(c.rel_error) for p in verdict.properties
             if p.name == "gradients" for c in p.checks}
-    return record
+    return bounded_texts(record, first=("error",))
 
 
 def _finite_number(value: float) -> float | str:
@@ -198,7 +212,7 @@ def assemble_check_report(
                       {"spec": options.impl or "unset", "adapter": options.adapter or "function",
                        "kwargs": {}})
     by_reproduce = {r["reproduce"]: r for r in records}
-    return {
+    return bounded_report({
         "schema_version": SCHEMA_VERSION,
         "tool": "gradequiv",
         "command": "check",
@@ -215,7 +229,7 @@ def assemble_check_report(
         "tests": dict(sorted(outcomes.items())),
         "minimal_failures": failures,
         "statistics": _statistics(records),
-    }
+    })
 
 
 def _why_not_a_pass(cases: list[dict[str, Any]], failures: list[dict[str, Any]],
@@ -404,7 +418,8 @@ def process_ended_report(last: dict[str, Any], records: list[dict[str, Any]], *,
                    "command", "gradequiv check"),
                "first_mismatch": None}
     failure["diagnosis"] = diagnose(failure, None).to_dict()
-    return last | {"verdict": "fail", "complete": False,
-                   "summary": {"run": len(cases), "passed": len(cases) - failed,
-                               "failed": failed, "shrink_attempts": attempts},
-                   "cases": cases, "failure": failure, "statistics": _statistics(cases)}
+    return bounded_report(last | {
+        "verdict": "fail", "complete": False,
+        "summary": {"run": len(cases), "passed": len(cases) - failed, "failed": failed,
+                    "shrink_attempts": attempts},
+        "cases": cases, "failure": failure, "statistics": _statistics(cases)})

@@ -4,7 +4,8 @@ Tests that fail on the same minimal case are one entry (a fault usually
 breaks several properties); named cases, which are not shrunk, get one line
 each, and only say their cause in full where it differs from one already
 given. The reproduce line is the short one (the case read from a file in the
-report folder) where the run has a folder.
+report folder) where the run has a folder. Every line goes out :func:`printable`: a
+message is the implementation's, and an ESC in it would reach the user's terminal.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from typing import Any
 
 from gradequiv.harness.reports.diagnosis import distinct_faults
 from gradequiv.harness.reports.findings import failure_groups
+from gradequiv.harness.reports.text import bounded, printable
 
 __all__ = ["headline_lines", "output_lines", "summary_lines"]
 
@@ -28,13 +30,19 @@ def headline_lines(failures: list[dict[str, Any]]) -> list[str]:
     first meets no second one unannounced."""
     faults = distinct_faults(failures)
     if len(faults) <= 1:
-        return [f"likely cause: {f['sentence']}" for f in faults]
+        return [_shown(f"likely cause: {f['sentence']}") for f in faults]
     lines = [f"likely causes ({len(faults)} distinct faults):"]
     for number, fault in enumerate(faults, start=1):
         lines.append(f"  {number}. {fault['sentence']}")
         lines.append(f"     seen in {fault['found_in']}: {fault['case']}; "
                      f"reproduce: {fault.get('reproduce_file') or fault['reproduce']}")
-    return lines
+    return [_shown(line) for line in lines]
+
+
+def _shown(line: str) -> str:
+    """One line as the terminal gets it: bounded, each control character spelled out (a
+    newline in it too: it is one line)."""
+    return printable(bounded(line)).replace("\n", "\\n")
 
 
 def summary_lines(failures: list[dict[str, Any]], errors: dict[str, str]) -> list[str]:
@@ -84,7 +92,7 @@ def summary_lines(failures: list[dict[str, Any]], errors: dict[str, str]) -> lis
                          f"them all)")
     for test, last in errors.items():
         lines.append(f"{test}: failed without a verdict: {last}")
-    return lines
+    return [_shown(line) for line in lines]
 
 
 def output_lines(failure: dict[str, Any], indent: str = "    ") -> list[str]:
@@ -97,5 +105,5 @@ def output_lines(failure: dict[str, Any], indent: str = "    ") -> list[str]:
             continue
         cut = f", its last {OUTPUT_LINES} lines" if len(shown) > OUTPUT_LINES else ""
         lines.append(f"{indent}the implementation printed to {stream}{cut}:")
-        lines += [f"{indent}  | {line}" for line in shown[-OUTPUT_LINES:]]
+        lines += [_shown(f"{indent}  | {line}") for line in shown[-OUTPUT_LINES:]]
     return lines
