@@ -194,6 +194,10 @@ def transformer_configs(
 #: or partitioning big boundaries), in one layer so that it stays cheap.
 LARGE = TransformerConfig(n_layer=1, n_embd=256, n_head=4, max_seq_len=128)
 LARGE_BATCH = BatchConfig(batch_size=4, seq_len=128)
+#: The long batch a case may be drawn at: more sequences than the usual 4 (up to 16) and
+#: longer ones (up to 64 tokens), where implementations that special-case a size go wrong.
+LONG_BATCH = (4, 16)
+LONG_SEQ_LEN = 64
 
 
 @_cached
@@ -398,8 +402,9 @@ def cases(
     ``models`` picks the reference models drawn from (``MODELS``); the
     default leaves out the BatchNorm model, whose running statistics torch's
     own checkpoint updates twice. Transformer cases are drawn up to 4 layers x
-    128 wide x 32 tokens x 4 sequences (segment inputs of 16k elements), and one
-    in eight is the one-layer ``LARGE`` model instead (128k elements). Shrinks
+    128 wide x 32 tokens x 4 sequences (segment inputs of 16k elements); one in
+    eight is a long batch instead (5 to 16 sequences of 33 to 64 tokens, on at most
+    two layers) and one in eight the one-layer ``LARGE`` model (128k elements). Shrinks
     towards the cheapest case of the first model; a fault that only shows above a
     size keeps its case large, as the shrinker keeps only cases that still fail.
     """
@@ -415,10 +420,17 @@ def cases(
     model = draw(_kept(transformer_configs, max_layers=max_layers, max_width=max_width,
                        **config_kwargs))
     batch = draw(batch_configs(max_seq_len=max_seq_len))
-    if draw(_integers(0, 7)) == 7:  # the large size: this model's knobs, the large shape
+    size = draw(_integers(0, 7))
+    if size == 7:  # the large size: this model's knobs, the large shape
         model = replace(model, n_layer=LARGE.n_layer, n_embd=LARGE.n_embd,
                         n_head=LARGE.n_head, max_seq_len=LARGE.max_seq_len)
         batch = replace(LARGE_BATCH, padding=batch.padding)
+    elif size == 6:  # a long batch: more and longer sequences, on at most two layers
+        shortest = min(max_seq_len, LONG_SEQ_LEN - 1) + 1
+        batch = replace(batch, batch_size=draw(_integers(LONG_BATCH[0] + 1, LONG_BATCH[1])),
+                        seq_len=draw(_integers(shortest, max(LONG_SEQ_LEN, shortest))))
+        model = replace(model, n_layer=min(model.n_layer, 2),
+                        max_seq_len=max(model.max_seq_len, batch.seq_len))
     dtype = draw(dtype_regimes(device=device))
     if dtype != "fp32":
         # A weight used twice under a low precision: full storage sums both uses' gradients

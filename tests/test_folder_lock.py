@@ -19,6 +19,7 @@ from gradequiv.harness.reports.files import (
     claim_report_dir,
     lock_report_dir,
     run_identity,
+    write_json_atomic,
 )
 
 
@@ -114,11 +115,15 @@ def test_a_lock_another_run_put_in_place_of_ours_is_not_removed(tmp_path: Path,
 
 
 def test_claiming_the_folder_keeps_the_lock(tmp_path: Path) -> None:
+    """What an earlier run wrote goes (its report, a half-written temporary file); the lock
+    stays, and so does the record of what the tool wrote (a user's own report.json is
+    refused instead: tests/test_own_files.py)."""
     with lock_report_dir(tmp_path, identity("run-a")):
-        (tmp_path / REPORT_FILE).write_text("{}")
+        claim_report_dir(tmp_path)
+        write_json_atomic(tmp_path / REPORT_FILE, {})
         (tmp_path / f".{REPORT_FILE}.tmp123").write_text("half")
         claim_report_dir(tmp_path)
-        assert sorted(os.listdir(tmp_path)) == [LOCK_FILE]
+        assert sorted(os.listdir(tmp_path)) == [".gradequiv", LOCK_FILE]
 
 
 def test_a_folder_that_cannot_hold_a_lock_is_refused(tmp_path: Path) -> None:

@@ -431,3 +431,11 @@ def returns_float64(fn: Any, *args: Any, **kwargs: Any) -> Any:
 def wrapper_returns_a_str(module: nn.Module) -> nn.Module:
     """A wrapper that returns a name instead of the wrapped module."""
     return "checkpointed"  # type: ignore[return-value]
+
+
+def wrong_above_four_sequences(fn: Any, *args: Any, **kwargs: Any) -> Any:
+    """Right for batches of up to 4 sequences; above that, the RNG is not restored (a path
+    for big batches that forgets what the small one does)."""
+    tensors = [a for a in args if isinstance(a, Tensor) and a.dim() >= 2]
+    big = bool(tensors) and tensors[0].shape[0] > 4
+    return checkpoint(fn, *args, use_reentrant=False, preserve_rng_state=not big, **kwargs)

@@ -63,17 +63,18 @@ def torch_threads(count: int | None) -> Iterator[None]:
 def _run(options: CheckOptions, observer: Any) -> int:
     # torch is imported here, not at module import, so --help and usage errors stay fast.
     from gradequiv.harness.engine.compare import Tolerance
+    from gradequiv.harness.engine.bindings import fingerprint
     from gradequiv.harness.engine.devices import resolve_device
     from gradequiv.harness.engine.spread import load_case
     from gradequiv.harness.engine.verify import check_runnable
     from gradequiv.harness.implementations.libraries import TOGGLES_NEEDING_MODEL
     from gradequiv.harness.implementations.resolve import resolve
-    from gradequiv.harness.reports.files import claim_report_dir, lock_report_dir, run_identity
     from gradequiv.models.kinds import EXTERNAL
 
     if options.impl is None:
         raise InvalidArgument("--impl is required; name a built-in (e.g. --impl torch) or a "
                               "'module:attr' reference")
+    bound = fingerprint()  # before the implementation's code first runs: its import
     impl = resolve(options.impl, adapter=options.adapter, kwargs=options.kwargs)
     device = resolve_device(options.device)
     options = replace(options, device=device.type)
@@ -105,17 +106,57 @@ def _run(options: CheckOptions, observer: Any) -> int:
     _refuse_failed_imports(impl, options, case, device)
     Tolerance("fp32", options.rtol, options.atol)
     with contextlib.ExitStack() as stack:
-        # A supervisor holds the folder's lock for its child, and has claimed it and written
-        # the starting report.json there already.
-        if options.report_dir is not None and observer is None:
-            stack.enter_context(lock_report_dir(options.report_dir, run_identity()))
-            claim_report_dir(options.report_dir)
+        if options.report_dir is not None:
+            _claim(stack, options, observer)
         code = _run_suite(options, impl, device, observer)
+        replaced = bound.replaced()
+        if replaced:
+            code = _refuse_tampered(options.report_dir, replaced)
         if options.report_dir is not None:
             from gradequiv.harness.commands.render import write_markdown
 
             write_markdown(options.report_dir)  # users look for report.md beside report.json
         return code
+
+
+def _refuse_tampered(report_dir: Path | None, replaced: list[str]) -> int:
+    """A run whose process had what the comparison calls replaced is no pass, whatever it
+    found: say so, and make report.json's failure say it too."""
+    from gradequiv.harness.engine.bindings import said
+
+    message = said(replaced)
+    print(f"gradequiv: FAIL: {message}", file=sys.stderr, flush=True)
+    if report_dir is not None:
+        import json
+
+        from gradequiv.harness.reports.files import REPORT_FILE, write_json_atomic
+        from gradequiv.harness.reports.report import process_ended_report
+
+        path = report_dir / REPORT_FILE
+        with contextlib.suppress(OSError, ValueError):
+            last = json.loads(path.read_text(encoding="utf-8"))
+            ended = process_ended_report(last, [], message=message, during=None)
+            write_json_atomic(path, ended)
+    return EXIT_FAIL
+
+
+def _claim(stack: contextlib.ExitStack, options: CheckOptions, observer: Any) -> None:
+    """The report folder made this run's, once every argument is valid. A supervisor
+    (``observer``) holds its lock and claimed it already, setting the earlier run's files
+    aside for a usage error to put back: now they go."""
+    from gradequiv.harness.reports.files import (
+        claim_report_dir,
+        discard_set_aside,
+        lock_report_dir,
+        run_identity,
+    )
+
+    assert options.report_dir is not None
+    if observer is not None:
+        discard_set_aside(options.report_dir)
+        return
+    stack.enter_context(lock_report_dir(options.report_dir, run_identity()))
+    claim_report_dir(options.report_dir)
 
 
 def _short(text: str, limit: int = 80) -> str:
@@ -186,7 +227,13 @@ def _run_suite(options: CheckOptions, impl: Any, device: Any, observer: Any) -> 
           f"{torch.__version__}, {threads}{shard}", flush=True)
     # Failures are printed once, by the plugin's summary, not again by pytest's tracebacks
     # and short summary (which would name the suite's temporary folder).
+    from gradequiv.harness.reports.files import take_write_failure
+
+    take_write_failure()  # an earlier run's in this process is not this one's
     code = run_suite(SuiteRun(options, impl, observer), ["-q", "--tb=no", "-rN"])
+    failed_write = take_write_failure()
+    if failed_write is not None:  # met inside pytest: its error or a case's, not the verdict
+        raise failed_write
     if code == 2:
         print("gradequiv: interrupted; the report keeps what finished, marked incomplete",
               file=sys.stderr)

@@ -16,7 +16,7 @@ FORMATS = RENDERED
 def run(args: Any) -> int:
     """Render the folder's JSON in the asked formats; writes are atomic, like the JSON's."""
     from gradequiv.harness.reports.bundle import load_bundle
-    from gradequiv.harness.reports.files import write_text_atomic
+    from gradequiv.harness.reports.files import write_text_through
 
     foreign, partial = (None, None) if args.require_run is None else \
         run_problems(_raw_report(args.folder), args.require_run)
@@ -39,11 +39,22 @@ def run(args: Any) -> int:
             sys.stdout.write(text)
             continue
         path = Path(args.output) if args.output else args.folder / FORMATS[name]
-        write_text_atomic(path, text)
+        # Through a symlink, into a FIFO or a device as `>` would; a regular file atomically.
+        write_text_through(path, text, name=f"--output={args.output!r}" if args.output
+                           else repr(str(path)))
         print(f"gradequiv report: wrote {path}", file=sys.stderr)
     if partial is not None:
         print(f"gradequiv report: {partial}", file=sys.stderr)
         return 1
+    if args.fail_on_verdict and bundle.verdict == "pass" and bundle.report is not None:
+        from gradequiv.harness.reports.verified import why_unverified
+
+        why = why_unverified(bundle.report)
+        if why is not None:  # a pass over nothing, or over less than it says, gates nothing
+            raise InvalidArgument(
+                f"{str(args.folder / REPORT_FILE)!r} reads verdict 'pass' but {why}: it "
+                f"verified nothing a gate can take; re-run `gradequiv check --report-dir "
+                f"{args.folder}`")
     if args.fail_on_verdict and bundle.verdict != "pass":
         if bundle.verdict == "unchecked":  # a gate pointed at the wrong folder must not pass
             print(f"gradequiv report: {args.folder} holds no report.json nor mutants.json: "

@@ -42,8 +42,9 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from gradequiv.harness.errors import EXIT_FAIL, EXIT_INTERRUPTED, EXIT_USAGE
+from gradequiv.harness.errors import EXIT_FAIL, EXIT_INTERRUPTED, EXIT_PASS, EXIT_USAGE
 from gradequiv.harness.options import CheckOptions
+from gradequiv.harness.reports.text import bounded, printable
 
 #: environment of the child: the pipe's write end, and the run's identity (id, start,
 #: command line, pid of this process), so that the report names the run the user started
@@ -82,22 +83,27 @@ def run(options: CheckOptions, argv: list[str], *, case_timeout: float) -> int:
     with contextlib.ExitStack() as stack:
         if options.report_dir is not None:
             stack.enter_context(lock_report_dir(options.report_dir, identity))
-            claim_report_dir(options.report_dir)
+            # The earlier run's files are set aside, not removed, until the child has
+            # validated the arguments: a usage error puts them back (_drop_untouched).
+            claim_report_dir(options.report_dir, identity, set_aside=True)
             # From the first moment: a hang or a kill before the first case still leaves a
             # report, incomplete, that says what ended the run.
             write_json_atomic(options.report_dir / REPORT_FILE, starting)
         child = _Child([*argv, "--in-process"], identity)
         stack.enter_context(_forwarding_signals(child))
         ended = child.watch(case_timeout)
+        if (ended is None and child.interrupted is None and child.code == EXIT_USAGE
+                and options.report_dir is not None):
+            _drop_untouched(options.report_dir, starting)  # under the lock, before its end
     if child.interrupted is not None:
         return _interrupted(options.report_dir, child, ended)
+    if ended is None and child.code == EXIT_PASS:
+        ended = _why_not_a_pass(options.report_dir, child, identity)
     if ended is None:
-        if child.code == EXIT_USAGE and options.report_dir is not None:
-            _drop_untouched(options.report_dir / REPORT_FILE, starting)
         return child.code
     # The child's progress dots may have left its line open: the verdict starts a new one.
     print(flush=True)
-    print(f"gradequiv: FAIL: {ended}", file=sys.stderr)
+    print(f"gradequiv: FAIL: {printable(bounded(ended))}", file=sys.stderr)
     kept = _write_ended_report(options.report_dir, child, ended)
     print(f"gradequiv: {len(child.records)} case(s) finished before it; {kept}",
           file=sys.stderr)
@@ -116,11 +122,53 @@ def _interrupted(report_dir: Path | None, child: _Child, ended: str | None) -> i
     print(flush=True)
     how = ended or f"it ended with exit code {child.code} after the signal"
     message = f"the run was interrupted ({name}) during {child.where}: {how}"
-    print(f"gradequiv: interrupted: {message}", file=sys.stderr)
+    print(f"gradequiv: interrupted: {printable(bounded(message))}", file=sys.stderr)
     kept = _write_ended_report(report_dir, child, message)
     print(f"gradequiv: {len(child.records)} case(s) finished before it; {kept}",
           file=sys.stderr)
     return EXIT_INTERRUPTED
+
+
+def _why_not_a_pass(report_dir: Path | None, child: _Child,
+                    identity: dict[str, Any]) -> str | None:
+    """Why the checking process's "passed" is not taken (None: it is). That process ran the
+    implementation, which can reach its exit code, its channel and its report; a pass is
+    this process's decision, from the cases it heard of as they finished and the report
+    the run wrote: every one of them passing and verified, and the same in both."""
+    from gradequiv.harness.reports.files import REPORT_FILE
+    from gradequiv.harness.reports.report import SHRINK_KEY, verdict_disagreement
+    from gradequiv.harness.reports.verified import (
+        case_unverified,
+        why_not_what_was_sent,
+        why_unverified,
+    )
+
+    claim = "the checking process said the run passed, but "
+    sent = [r for r in child.records if not r.get(SHRINK_KEY)]
+    if not sent:
+        return claim + "it sent no verified case"
+    failing = [r for r in sent if r.get("verdict") != "pass"]
+    if failing:
+        return (claim + f"{len(failing)} of the {len(sent)} case(s) it sent failed (the "
+                f"first: {failing[0].get('description')})")
+    for record in sent:
+        why = case_unverified(record)
+        if why is not None:
+            return claim + f"a case it sent verified nothing ({why})"
+    if report_dir is None:
+        return None
+    path = report_dir / REPORT_FILE
+    try:
+        report = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as exc:
+        return claim + f"{path} cannot be read ({type(exc).__name__})"
+    if not isinstance(report, dict) or (report.get("run") or {}).get("id") != identity["id"]:
+        return claim + f"{path} is not this run's report"
+    if report.get("verdict") != "pass":
+        return claim + f"{path} says verdict={report.get('verdict')!r}"
+    why = (verdict_disagreement(report) or why_unverified(report)
+           or why_not_what_was_sent(report, sent))
+    return None if why is None else claim + f"{path}: {why}"
 
 
 def _report_says_incomplete(report_dir: Path | None) -> bool:
@@ -136,12 +184,17 @@ def _report_says_incomplete(report_dir: Path | None) -> bool:
     return report.get("complete") is False and report.get("failure") is not None
 
 
-def _drop_untouched(path: Path, starting: dict[str, Any]) -> None:
+def _drop_untouched(report_dir: Path, starting: dict[str, Any]) -> None:
     """Remove the starting report.json a run that never began left (a usage error found
-    in the child): no case ran, so no report speaks for it."""
+    in the child): no case ran, so no report speaks for it; and put back what the claim
+    set aside, so the folder is as it was."""
+    from gradequiv.harness.reports.files import REPORT_FILE, unclaim_report_dir
+
+    path = report_dir / REPORT_FILE
     with contextlib.suppress(OSError, ValueError):
         if json.loads(path.read_text(encoding="utf-8")) == starting:
             path.unlink()
+            unclaim_report_dir(report_dir)
 
 
 class _Child:

@@ -67,6 +67,31 @@ _SHAPE_KNOBS = {"aux_loss": "aux loss", "x0_keyword": "x0 by keyword",
                 "value_hooks": "value-changing hooks", "outside_params": "outside parameters"}
 
 
+#: The most optimizer steps a case may take: the trajectory property needs two, and each
+#: step runs forward and backward on every path, so thousands would stall the run.
+MAX_STEPS = 100
+#: The largest seed a case may hold: torch's generators take 64 bits, and a run adds its
+#: ``--seed`` (at most ``validate.MAX_SEED``) and one (the training stream) to it.
+MAX_CASE_SEED = 2**63 - 1
+#: The longest name a case may have: it is printed in every line about the case.
+MAX_NAME_CHARS = 200
+#: The most each count of a case read from JSON (``--case``, a case file) may be, by its
+#: config field: far above any case the suite runs. The run's time grows with each, and
+#: check's bound on a case's elements (widths, vocabulary, batch and sequence, which it
+#: refuses by what they would allocate) misses these: many thin layers, a layer repeated a
+#: million times, groups of a thousand layers.
+CASE_BOUNDS: dict[str, dict[str, int]] = {
+    "model": {"n_layer": 64, "layer_repeats": 8, "n_head": 256, "ffn_mult": 16,
+              "n_classes": 2**16},
+    "batch": {},
+    "granularity": {"k": 64, "size": 64},  # every:K, group:K
+}
+
+
+def _whole(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
 @dataclass(frozen=True)
 class Case:
     model: ModelConfig = field(default_factory=TransformerConfig)
@@ -88,13 +113,26 @@ class Case:
             raise InvalidArgument(
                 f"dtype={self.dtype!r} is not one of {', '.join(DTYPES)}; pick one of those"
             )
-        if not isinstance(self.steps, int) or self.steps < 2:
+        if not _whole(self.steps) or self.steps < 2:
             raise InvalidArgument(
                 f"steps={self.steps!r}: at least 2 optimizer steps are needed for the "
                 f"trajectory property"
             )
-        if not isinstance(self.seed, int) or self.seed < 0:
+        if self.steps > MAX_STEPS:
+            raise InvalidArgument(
+                f"steps={self.steps!r}: a case may take at most {MAX_STEPS} optimizer steps; "
+                f"pick steps from 2 to {MAX_STEPS} (2 checks the trajectory)")
+        if not _whole(self.seed) or self.seed < 0:
             raise InvalidArgument(f"seed={self.seed!r}: must be a whole number >= 0")
+        if self.seed > MAX_CASE_SEED:
+            raise InvalidArgument(
+                f"seed={self.seed!r}: must be at most {MAX_CASE_SEED} (2**63 - 1: torch's "
+                f"generators take 64 bits); pick a smaller seed")
+        if not isinstance(self.name, str) or len(self.name) > MAX_NAME_CHARS:
+            shown = repr(self.name) if len(repr(self.name)) <= 60 else repr(self.name)[:56] + "..."
+            raise InvalidArgument(
+                f"name={shown}: must be a string of at most {MAX_NAME_CHARS} characters; "
+                f"shorten it")
         if self.grad_mode not in GRAD_MODES:
             raise InvalidArgument(
                 f"grad_mode={self.grad_mode!r} is not one of {', '.join(GRAD_MODES)}"
@@ -122,7 +160,7 @@ class Case:
         if not isinstance(self.backward_autocast, bool):
             raise InvalidArgument(
                 f"backward_autocast={self.backward_autocast!r}: must be true or false")
-        if not isinstance(self.backward_passes, int) or not 1 <= self.backward_passes <= 3:
+        if not _whole(self.backward_passes) or not 1 <= self.backward_passes <= 3:
             raise InvalidArgument(
                 f"backward_passes={self.backward_passes!r}: must be 1, 2 or 3")
         if self.schedule != "one" and self.grad_mode in ("accumulate", "create-graph"):
@@ -252,12 +290,18 @@ class Case:
             raise InvalidArgument(
                 f"model_kind={kind!r} is not one of {', '.join(MODEL_KINDS)}"
             )
+        text = data.pop("granularity", "layer")
+        if not isinstance(text, str):
+            raise InvalidArgument(f"granularity={text!r} is not a string; write e.g. "
+                                  f"\"granularity\": \"layer\"")
         try:
             model = _CONFIGS[kind](**data.pop("model", {}))
             batch = BatchConfig(**data.pop("batch", {}))
-            granularity = parse_granularity(data.pop("granularity", "layer"))
+            granularity = parse_granularity(text)
         except TypeError as exc:
             raise InvalidArgument(f"case: {exc}; see the case JSON in report.json") from exc
+        for part, config in (("model", model), ("batch", batch), ("granularity", granularity)):
+            _check_bounds(part, config)
         unknown = set(data) - {f.name for f in fields(cls)}
         if unknown:
             raise InvalidArgument(
@@ -270,8 +314,9 @@ class Case:
     def from_json(cls, text: str) -> Case:
         try:
             data = json.loads(text)
-        except json.JSONDecodeError as exc:
-            raise InvalidArgument(f"--case={text!r} is not valid JSON: {exc}") from exc
+        except (ValueError, RecursionError) as exc:  # a number of 5000 digits; deep nesting
+            raise InvalidArgument(f"--case={text[:200]!r} is not valid JSON: "
+                                  f"{str(exc)[:200] or type(exc).__name__}") from exc
         if not isinstance(data, dict):
             raise InvalidArgument(f"--case={text!r}: a JSON object is needed")
         return cls.from_dict(data)
@@ -308,3 +353,27 @@ class Case:
 
     def with_seed_offset(self, offset: int) -> Case:
         return replace(self, seed=self.seed + offset)
+
+
+def _check_bounds(part: str, config: Any) -> None:
+    """Each size of a case's ``part`` (model, batch, granularity) within ``CASE_BOUNDS``,
+    and a whole number (not true or false, which JSON and Python take as 1 and 0)."""
+    for name, most in CASE_BOUNDS[part].items():
+        value = getattr(config, name, None)
+        if value is None:
+            continue
+        if not _whole(value):
+            raise InvalidArgument(f"{part}.{name}={value!r}: must be a whole number; write "
+                                  f"e.g. {name}: 2")
+        if value > most and part == "granularity":
+            raise InvalidArgument(f"granularity='{config}': K may be at most {most}; pick "
+                                  f"'{config.kind}:K' with K from 1 to {most}")
+        if value > most:
+            raise InvalidArgument(f"{part}.{name}={value!r}: a case may have at most {most}; "
+                                  f"pick a {name} from 1 to {most}")
+    momentum = getattr(config, "momentum", 0.1)
+    if not (isinstance(momentum, (int, float)) and not isinstance(momentum, bool)
+            and 0.0 <= momentum <= 1.0):
+        raise InvalidArgument(f"model.momentum={momentum!r}: must be a number from 0 to 1 "
+                              f"(BatchNorm's running-statistics momentum); write e.g. "
+                              f"momentum: 0.1")

@@ -181,8 +181,8 @@ def unverified(a: Tensor, b: Tensor) -> bool:
 
 def non_finite_reference(loss: Tensor, grads: dict[str, Tensor | None]) -> str | None:
     """Why full storage's step verifies nothing (None: it does): a loss that is NaN or inf,
-    or gradients none of which holds a finite element. The model's fault, named by the
-    tensor."""
+    gradients none of which holds a finite element, or gradients that are all zero. The
+    model's fault, named by the tensor."""
     if loss.is_floating_point() and not bool(torch.isfinite(loss.detach()).all()):
         return f"its loss is {loss.detach().reshape(-1)[0].item()}"
     given = [(name, g) for name, g in grads.items() if g is not None and g.is_floating_point()
@@ -191,6 +191,10 @@ def non_finite_reference(loss: Tensor, grads: dict[str, Tensor | None]) -> str |
         name, grad = given[0]
         return (f"every gradient is non-finite (the {name.replace(':', ' ', 1)} holds "
                 f"{grad.reshape(-1)[0].item()})")
+    if given and not any(bool(g.detach().any()) for _, g in given):  # stops at the first
+        return (f"every one of its {len(given)} gradients is zero: its loss does not depend "
+                f"on what is trained (a constant loss, a vocabulary of one token), so any "
+                f"recompute would match it")
     return None
 
 

@@ -132,6 +132,8 @@ def default_cases() -> list[Case]:
         _case("2L-layer-adapters-only-dropout", replace(_SMALL, value_hooks=True,
                                                         **_ALL_DROPOUT), "layer", seed=47,
               trainable="adapters"),
+        _case("2L-layer-16x64-dropout", replace(_SMALL, max_seq_len=64, **_ALL_DROPOUT),
+              "layer", batch=BatchConfig(16, 64), seed=48),
         _case("4Lx128x64-layer-dropout", _LARGE, "layer", batch=BatchConfig(2, 64), seed=11),
         _case("4Lx128x64-group2-bf16", _LARGE, "group:2", "bf16-autocast",
               batch=BatchConfig(2, 64), seed=12),
@@ -183,17 +185,45 @@ def compile_cases() -> list[Case]:
     ]
 
 
+#: The most bytes a case file may hold: a case's JSON is under 2 kB; a larger file (a log,
+#: a device) is no case, and is not read whole.
+MAX_CASE_FILE_BYTES = 1 << 20
+
+
 def load_case(text: str) -> Case:
     """A case from ``--case``: its JSON, a file holding that JSON, or a case name."""
     if text.lstrip().startswith("{"):
         return Case.from_json(text)
     path = Path(text)
-    if path.suffix == ".json" or path.is_file():
-        try:
-            return Case.from_json(path.read_text(encoding="utf-8"))
-        except OSError as exc:
-            raise InvalidArgument(f"--case={text!r} could not be read: {exc}") from exc
+    try:
+        is_file = path.is_file()
+    except OSError:  # a name too long to be a path
+        is_file = False
+    if path.suffix == ".json" or is_file:
+        return Case.from_json(_case_file_text(text, path))
     return find_case(text)
+
+
+def _case_file_text(text: str, path: Path) -> str:
+    """A case file's text: a regular file (a FIFO would wait for a writer forever) of at
+    most :data:`MAX_CASE_FILE_BYTES`."""
+    try:
+        if path.exists() and not path.is_file():
+            raise InvalidArgument(f"--case={text!r} is not a file; name a case's .json file "
+                                  f"(cases/minimal-N.json of a report folder)")
+        with path.open("rb") as handle:
+            data = handle.read(MAX_CASE_FILE_BYTES + 1)
+    except OSError as exc:
+        raise InvalidArgument(f"--case={text!r} could not be read: {exc}") from exc
+    if len(data) > MAX_CASE_FILE_BYTES:
+        raise InvalidArgument(f"--case={text!r} holds more than {MAX_CASE_FILE_BYTES} bytes, "
+                              f"far more than a case's JSON; name a case file "
+                              f"(cases/minimal-N.json of a report folder)")
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise InvalidArgument(f"--case={text!r} is not UTF-8 text ({exc}); name a case's "
+                              f".json file") from exc
 
 
 def find_case(name: str) -> Case:
