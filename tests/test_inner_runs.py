@@ -12,9 +12,14 @@ def test_an_inner_run_uses_an_example_database_of_its_own(pytester: pytest.Pytes
     """Hypothesis replays the cases its database holds before it draws: a database shared
     with the inner runs before (the outer session's .hypothesis/) made a 3-example run
     replay their cases instead of drawing its own."""
+    from hypothesis.configuration import storage_directory
+
+    # where the database is when one is used (not under CI, where Hypothesis's own ci profile
+    # keeps none)
+    examples = storage_directory("examples").path
+    assert str(pytester.path) in str(examples), examples
     database = settings.default.database
-    assert database is not None
-    assert str(pytester.path) in str(getattr(database, "path", "")), database
+    assert database is None or str(pytester.path) in str(getattr(database, "path", ""))
 
 
 def test_the_suites_strategies_are_built_anew_for_an_inner_run(
