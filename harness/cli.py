@@ -53,6 +53,17 @@ def _seconds(flag: str) -> Callable[[str], int]:
         name, value, low=0), flag)
 
 
+def _reshard(value: str) -> bool | int:
+    """--reshard-after-forward: true, false, or a group size of at least 2."""
+    lowered = value.strip().lower()
+    if lowered in ("true", "false"):
+        return lowered == "true"
+    if lowered.isdigit() and int(lowered) >= 2:
+        return int(lowered)
+    raise InvalidArgument(f"--reshard-after-forward={value!r}: write true, false, or a group "
+                          f"size of at least 2 that divides --world-size")
+
+
 def _tolerance(flag: str) -> Callable[[str], float]:
     return validate.as_argparse_type(validate.bound, flag)
 
@@ -172,12 +183,27 @@ def build_parser() -> argparse.ArgumentParser:
     dist = commands.add_parser(
         "distributed", help="DDP / FSDP training with and without recompute on N ranks")
     _implementation_options(dist)
-    dist.add_argument("--wrapper", choices=("ddp", "fsdp", "both"), default="both")
+    dist.add_argument("--wrapper", choices=("ddp", "fsdp", "user", "both"), default="both",
+                      help="the engine: DDP, FSDP2's fully_shard per layer and at the root, "
+                           "your --parallelize function (user), or ddp and fsdp (both, the "
+                           "default; user when --parallelize is given)")
     dist.add_argument("--world-size", type=_count("--world-size"), default=2, metavar="N")
     dist.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
                       help="cpu: gloo; cuda: NCCL, one GPU per rank (default %(default)s)")
-    dist.add_argument("--case", default="4L-group2-dropout-untied", metavar="NAME|JSON|FILE",
-                      help="the case to train (default %(default)s)")
+    dist.add_argument("--case", default=None, metavar="NAME|JSON|FILE",
+                      help="train this one case instead of drawn ones")
+    dist.add_argument("--examples", type=_count("--examples"), default=8, metavar="N",
+                      help="cases drawn (default %(default)s), each on every rank")
+    dist.add_argument("--seed", type=_seed("--seed"), default=0, metavar="N",
+                      help="the seed the cases are drawn from (default %(default)s)")
+    dist.add_argument("--model", default=None, metavar="SPEC",
+                      help="your model's factory, as for check --model")
+    dist.add_argument("--parallelize", default=None, metavar="MODULE:FUNCTION",
+                      help="your set-up, called with the model and the device mesh and "
+                           "returning the model to train (torchtitan's parallelize_* shape)")
+    dist.add_argument("--reshard-after-forward", type=_reshard, default=True,
+                      metavar="true|false|N",
+                      help="FSDP2's reshard_after_forward for --case (drawn cases draw it)")
     dist.add_argument("--timeout", type=_tolerance("--timeout"), default=300.0, metavar="SECONDS",
                       help="kill the ranks after this long (default %(default)s)")
     zoo = commands.add_parser(

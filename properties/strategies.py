@@ -16,6 +16,7 @@ from typing import Any
 from hypothesis import strategies as st
 
 from gradequiv.harness.engine.case import Case
+from gradequiv.harness.engine.parallel import Parallel
 from gradequiv.harness.engine.spread import compile_cases
 from gradequiv.harness.errors import InvalidArgument
 from gradequiv.models import (
@@ -47,6 +48,7 @@ __all__ = [
     "batchnorm_cases",
     "cases",
     "compiled_cases",
+    "distributed_cases",
     "dropout_regimes",
     "dtype_regimes",
     "external_cases",
@@ -467,3 +469,36 @@ def cases(
         inference=inference,
         **loop,
     )
+
+
+#: FSDP2's reshard modes a distributed case is drawn with, in shrink order
+RESHARD_MODES: tuple[bool | int, ...] = (True, False)
+
+
+@_cached
+def distributed_cases(*, world_size: int = 2, engines: tuple[str, ...] = ("ddp", "fsdp"),
+                      model: str | None = None, device: str = "cpu"
+                      ) -> st.SearchStrategy[tuple[Case, Parallel]]:
+    """Return a strategy for cases trained on ``world_size`` ranks, with their engine: the
+    cases :func:`cases` (or :func:`external_cases` of ``model``) draws, trained one
+    forward and one ``loss.backward()`` a step with every parameter training, at least a
+    sample a rank; the engine among ``engines`` and, under FSDP2, its reshard mode. Shrinks
+    towards the first engine, resharding after forward, and the cheapest case."""
+    if world_size < 2:
+        raise InvalidArgument(f"world_size={world_size!r}: at least 2 ranks")
+    drawn = (external_cases(model, device=device, modes=("backward",)) if model is not None
+             else cases(device=device, modes=("backward",)))
+
+    def trained_so(case: Case) -> Case:
+        config = case.model
+        if isinstance(config, TransformerConfig):  # every parameter trains under DDP
+            config = replace(config, frozen_first_layer=False)
+        rows = max(case.batch.batch_size, world_size)
+        return replace(case, model=config, schedule="one", backward_passes=1,
+                       backward_autocast=False, trainable="all", inference=False,
+                       batch=replace(case.batch, batch_size=rows))
+
+    engine = _one_of(engines).flatmap(
+        lambda name: _one_of(RESHARD_MODES).map(lambda mode: Parallel(name, mode))
+        if name == "fsdp" else st.just(Parallel(name)))
+    return st.tuples(drawn.map(trained_so), engine)

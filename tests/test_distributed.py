@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import shlex
 import time
 from pathlib import Path
 
@@ -17,9 +18,58 @@ CASE = find_case("4L-group2-dropout-untied")  # batch 2: one sample per rank, dr
 
 def test_torch_checkpoint_matches_full_storage_under_ddp_and_fsdp(
         capsys: pytest.CaptureFixture[str]) -> None:
-    assert main(["distributed", "--impl", "torch"]) == 0
+    assert main(["distributed", "--impl", "torch", "--case", CASE.name]) == 0
     out = capsys.readouterr().out
     assert out.count("  pass: 196 tensors equal on every rank") == 2  # ddp, then fsdp
+
+
+def test_drawn_cases_pass_on_two_ranks_under_both_engines_and_reshard_modes(
+        capsys: pytest.CaptureFixture[str]) -> None:
+    """Drawn as check draws them (dtypes, granularities, dropout, the model's knobs), each
+    under DDP or FSDP2 with either reshard mode, the ranks started once for the run."""
+    assert main(["distributed", "--impl", "torch", "--examples", "8", "--seed", "3"]) == 0
+    out = capsys.readouterr().out
+    assert "8 case(s) verified on every rank" in out and out.endswith("verdict: pass\n")
+    assert ", ddp: pass" in out and "fsdp (reshard_after_forward=False): pass" in out
+
+
+def test_a_drawn_failure_is_shrunk_with_its_cause_and_a_line_that_replays_it(
+        capsys: pytest.CaptureFixture[str]) -> None:
+    code = main(["distributed", "--impl", "torch", "--impl-kwarg", "preserve_rng_state=false",
+                 "--examples", "8"])
+    out = capsys.readouterr().out
+    assert code == 1 and out.endswith("verdict: FAIL\n")
+    assert "likely cause: the recompute does not restore the RNG state" in out
+    reproduce = out.split("reproduce: ")[1].splitlines()[0]
+    assert reproduce.startswith("gradequiv distributed --impl torch --impl-kwarg "
+                                "preserve_rng_state=false --world-size 2 --wrapper ddp --case")
+    assert main(shlex.split(reproduce)[1:]) == 1
+    assert "  FAIL: rank 0: step 1 grad of" in capsys.readouterr().out
+
+
+def test_a_users_model_and_parallel_set_up_are_what_the_ranks_train(
+        monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    monkeypatch.syspath_prepend(str(Path(__file__).parent))
+    monkeypatch.setenv("PYTHONPATH", str(Path(__file__).parent))  # the ranks import them
+    assert main(["distributed", "--impl", "torch", "--examples", "2", "--model",
+                 "user_models:residual_stack"]) == 0
+    assert "model user_models:residual_stack" in capsys.readouterr().out
+    assert main(["distributed", "--impl", "torch", "--examples", "2", "--parallelize",
+                 "parallel_setups:fsdp_per_block"]) == 0
+    assert ", user: pass" in capsys.readouterr().out
+    assert main(["distributed", "--impl", "torch", "--parallelize",
+                 "parallel_setups:NOT_A_FUNCTION"]) == 2
+    assert "--parallelize='parallel_setups:NOT_A_FUNCTION' is a int, not a function" in \
+        capsys.readouterr().err
+
+
+def test_fsdp_keeping_its_parameters_gathered_is_checked_too() -> None:
+    verdict = verify_distributed(resolve("torch"), CASE, wrapper="fsdp",
+                                 reshard_after_forward=False)
+    assert verdict.passed and verdict.wrapper == "fsdp (reshard_after_forward=False)"
+    broken = verify_distributed(resolve("torch", kwargs={"preserve_rng_state": False}), CASE,
+                                wrapper="fsdp", reshard_after_forward=False)
+    assert not broken.passed
 
 
 def test_no_rng_restore_is_caught_on_every_rank() -> None:

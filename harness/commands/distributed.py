@@ -17,9 +17,11 @@ as a failed verdict, not a stuck CI job.
 from __future__ import annotations
 
 import os
+import sys
 import tempfile
 import time
 import traceback
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -27,20 +29,16 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import Tensor
-from torch.multiprocessing.spawn import (
-    ProcessExitedException,
-    ProcessRaisedException,
-    start_processes,
-)
+from torch.multiprocessing.spawn import start_processes
 
 from gradequiv.harness.engine.case import Case
 from gradequiv.harness.engine.compare import Tolerance, measure_pairs
+from gradequiv.harness.engine.parallel import Parallel, apply_engine
 from gradequiv.harness.engine.path import prepare
 from gradequiv.harness.errors import InvalidArgument, exception_line
 from gradequiv.harness.implementations.adapters import Implementation
-from gradequiv.models.kinds import TRANSFORMER
 
-__all__ = ["WRAPPERS", "DistributedVerdict", "verify_distributed"]
+__all__ = ["WRAPPERS", "DistributedVerdict", "RankPool", "verify_distributed"]
 
 WRAPPERS = ("ddp", "fsdp")
 
@@ -69,71 +67,177 @@ def verify_distributed(
     world_size: int = 2,
     timeout_s: float = 300.0,
     device: str = "cpu",
+    reshard_after_forward: bool | int = True,
+    parallelize: str | None = None,
 ) -> DistributedVerdict:
-    """Train ``case`` under ``wrapper`` on ``world_size`` ranks, full storage then
-    recompute through ``impl``, and compare what every rank saw.
+    """Train ``case`` under ``wrapper`` (an engine: ddp, fsdp, or ``user``, the function
+    ``parallelize`` names) on ``world_size`` ranks, full storage then recompute through
+    ``impl``, and compare what every rank saw.
 
     ``device="cpu"``: gloo, every rank on the CPU. ``device="cuda"``: NCCL, rank r
     on GPU r, so it needs ``world_size`` GPUs.
     """
-    if wrapper not in WRAPPERS:
+    parallel = _parallel(wrapper, reshard_after_forward, parallelize)
+    _check_pool(world_size, device, parallelize)
+    refusal = case_refusal(case, world_size)
+    if refusal:
+        raise InvalidArgument(refusal)
+    with RankPool(impl, world_size=world_size, device=device, timeout_s=timeout_s,
+                  parallelize=parallelize) as pool:
+        return pool.run(case, parallel)
+
+
+def _parallel(wrapper: str, reshard: bool | int, parallelize: str | None) -> Parallel:
+    if wrapper not in (*WRAPPERS, "user"):
         raise InvalidArgument(f"wrapper={wrapper!r} is not one of {', '.join(WRAPPERS)}")
+    if wrapper == "user" and parallelize is None:
+        raise InvalidArgument("wrapper='user' needs parallelize='module:function'")
+    return Parallel(wrapper, reshard)
+
+
+def _check_pool(world_size: int, device: str, parallelize: str | None) -> None:
+    """What a pool of ranks needs, refused before any rank starts."""
     if world_size < 2:
         raise InvalidArgument(f"world_size={world_size}: data parallelism needs at least 2")
-    if case.batch.batch_size < world_size:
-        raise InvalidArgument(
-            f"batch_size={case.batch.batch_size} < world_size={world_size}: every rank needs "
-            f"a sample; raise batch_size in the case")
     if device not in ("cpu", "cuda"):
         raise InvalidArgument(f"device={device!r} is not one of cpu, cuda")
     if device == "cuda" and torch.cuda.device_count() < world_size:
         raise InvalidArgument(
             f"device='cuda' with world_size={world_size} needs {world_size} GPUs for NCCL (one "
             f"per rank); this machine has {torch.cuda.device_count()}; use device='cpu' (gloo)")
+    if parallelize is not None:
+        load_parallelize(parallelize)
+
+
+def case_refusal(case: Case, world_size: int) -> str:
+    """Why ``case`` cannot be trained on ``world_size`` ranks ("" where it can)."""
+    if case.batch.batch_size < world_size:
+        return (f"batch_size={case.batch.batch_size} < world_size={world_size}: every rank "
+                f"needs a sample; raise batch_size in the case")
     undriven = [*case.loop_patterns()] + ([case.grad_mode] if case.grad_mode != "backward"
                                            else [])
     if undriven:
-        raise InvalidArgument(
-            f"the case has {', '.join(undriven)}: the distributed property trains one forward "
-            f"and one loss.backward() per step, every parameter trained; give it a case with "
-            f"grad_mode='backward', schedule='one', backward_passes=1, "
-            f"backward_autocast=false, trainable='all'")
-    if case.model_kind != TRANSFORMER:
-        raise InvalidArgument(f"model_kind={case.model_kind!r}: the distributed property runs "
-                              f"the transformer")
-    verdict = DistributedVerdict(wrapper, world_size)
-    started = time.perf_counter()
-    with tempfile.TemporaryDirectory(prefix="gradequiv-dist-") as folder:
-        out = Path(folder)
-        spec = (impl.spec, impl.adapter, impl.kwargs)
-        context = start_processes(  # type: ignore[no-untyped-call]  # untyped in torch
-            _rank_main, args=(world_size, spec, case.to_json(), wrapper, str(out), device),
-            nprocs=world_size, join=False, start_method="spawn")
-        deadline = time.monotonic() + timeout_s
-        try:
-            while not context.join(timeout=0.5):
-                if time.monotonic() > deadline:
-                    verdict.error = (f"the ranks did not finish within {timeout_s:.0f} s "
-                                     f"(a collective that never completes?)")
-                    break
-        except ProcessRaisedException as exc:  # pragma: no cover - ranks catch their own
-            verdict.error = str(exc)
-        except ProcessExitedException as exc:
-            verdict.error = f"a rank died: {exc}"
-        finally:
-            for process in context.processes:
-                if process.is_alive():
-                    process.kill()
-                    process.join()
-        errors = sorted(out.glob("rank*.err"))
-        if verdict.error is None and errors:
-            verdict.error = "\n".join(f"{e.stem}: {e.read_text()}" for e in errors)
-        if verdict.error is None:
-            results = [torch.load(out / f"rank{r}.pt") for r in range(world_size)]
-            _compare(results, case, verdict)
-    verdict.seconds = time.perf_counter() - started
-    verdict.passed = verdict.error is None and not verdict.failures and verdict.compared > 0
-    return verdict
+        return (f"the case has {', '.join(undriven)}: the distributed property trains one "
+                f"forward and one loss.backward() per step, every parameter trained; give it "
+                f"a case with grad_mode='backward', schedule='one', backward_passes=1, "
+                f"backward_autocast=false, trainable='all'")
+    return ""
+
+
+def load_parallelize(spec: str) -> Callable[[Any, Any], Any]:
+    """The user's ``parallelize(model, mesh) -> model`` named by ``module:function``."""
+    import pkgutil
+
+    if ":" not in spec:
+        raise InvalidArgument(f"--parallelize={spec!r} is not a 'module:function' reference; "
+                              f"write e.g. 'my_models:parallelize'")
+    if os.getcwd() not in sys.path:  # the module may live in the current directory
+        sys.path.insert(0, os.getcwd())
+    try:
+        function = pkgutil.resolve_name(spec)
+    except Exception as exc:
+        raise InvalidArgument(f"--parallelize={spec!r} could not be imported: "
+                              f"{type(exc).__name__}: {exc}; check that the module is on "
+                              f"PYTHONPATH or in the current directory") from exc
+    if not callable(function):
+        raise InvalidArgument(f"--parallelize={spec!r} is a {type(function).__name__}, not a "
+                              f"function (model, mesh) -> model")
+    return function  # type: ignore[no-any-return]
+
+
+class RankPool:
+    """``world_size`` ranks, started once, each in one process group for the whole run,
+    taking cases one after another (a process group per case costs seconds of start-up).
+    A rank that raises, dies or hangs fails its case; the pool is then started anew."""
+
+    def __init__(self, impl: Implementation, *, world_size: int, device: str = "cpu",
+                 timeout_s: float = 300.0, parallelize: str | None = None) -> None:
+        self.impl, self.world_size, self.device = impl, world_size, device
+        self.timeout_s, self.parallelize = timeout_s, parallelize
+        self._folder = tempfile.TemporaryDirectory(prefix="gradequiv-dist-")
+        self._context: Any = None
+        self._tasks: list[Any] = []
+        self._number = 0
+
+    def __enter__(self) -> RankPool:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def _start(self) -> None:
+        import torch.multiprocessing as mp
+
+        spawn = mp.get_context("spawn")
+        self._tasks = [spawn.Queue() for _ in range(self.world_size)]
+        started = Path(self._folder.name) / f"pool{self._number}"
+        started.mkdir()
+        spec = (self.impl.spec, self.impl.adapter, self.impl.kwargs)
+        self._out = started
+        self._context = start_processes(  # type: ignore[no-untyped-call]  # untyped in torch
+            _rank_main, args=(self.world_size, spec, str(started), self.device, self._tasks,
+                              self.parallelize),
+            nprocs=self.world_size, join=False, start_method="spawn")
+
+    def run(self, case: Case, parallel: Parallel) -> DistributedVerdict:
+        """``case`` under ``parallel`` on every rank: full storage, then the recompute."""
+        if self._context is None:
+            self._start()
+        self._number += 1
+        number = self._number
+        verdict = DistributedVerdict(parallel.describe(), self.world_size)
+        started = time.perf_counter()
+        for queue in self._tasks:
+            queue.put((number, case.to_json(), parallel.to_dict()))
+        results = [self._out / f"{number}-rank{r}.pt" for r in range(self.world_size)]
+        errors = [self._out / f"{number}-rank{r}.err" for r in range(self.world_size)]
+        deadline = time.monotonic() + self.timeout_s
+        while not all(p.exists() for p in results):
+            if any(e.exists() for e in errors):
+                time.sleep(0.2)  # the other ranks' errors, if they come at once
+                verdict.error = "\n".join(f"{e.stem.split('-')[1]}: {e.read_text()}"
+                                           for e in errors if e.exists())
+                break
+            if time.monotonic() > deadline:
+                verdict.error = (f"the ranks did not finish within {self.timeout_s:.0f} s "
+                                 f"(a collective that never completes?)")
+                break
+            dead = [p for p in self._context.processes if not p.is_alive()]
+            if dead:
+                said = "".join(f"\n{e.stem.split('-')[1]}: {e.read_text()}"
+                               for e in sorted(self._out.glob("0-rank*.err")))
+                verdict.error = (f"a rank died: exit code {dead[0].exitcode} (os._exit, a "
+                                 f"signal or a crash in the implementation?){said}")
+                break
+            time.sleep(0.02)
+        if verdict.error is not None:
+            self._stop()  # its process group may be mid-collective: a fresh one next case
+        else:
+            _compare([torch.load(p) for p in results], case, verdict)
+            for p in results:
+                p.unlink()
+        verdict.seconds = time.perf_counter() - started
+        verdict.passed = verdict.error is None and not verdict.failures and verdict.compared > 0
+        return verdict
+
+    def _stop(self) -> None:
+        if self._context is None:
+            return
+        for process in self._context.processes:
+            if process.is_alive():
+                process.kill()
+            process.join()
+        self._context = None
+
+    def close(self) -> None:
+        """Ask the ranks to leave their process group and end; stop those that do not."""
+        if self._context is not None:
+            for queue in self._tasks:
+                queue.put(None)
+            for process in self._context.processes:
+                process.join(10)
+            self._stop()
+        self._folder.cleanup()
 
 
 def _compare(results: list[dict[str, dict[str, Tensor]]], case: Case,
@@ -157,10 +261,13 @@ def _compare(results: list[dict[str, dict[str, Tensor]]], case: Case,
 
 
 def _rank_main(rank: int, world_size: int, spec: tuple[str, str, dict[str, Any]],
-               case_json: str, wrapper: str, folder: str, device_type: str) -> None:
-    """One rank: both paths in one process group; results or a traceback to ``folder``."""
+               folder: str, device_type: str, tasks: list[Any],
+               parallelize: str | None) -> None:
+    """One rank: one process group, then each case it is sent, both paths; results or a
+    traceback to ``folder``, until it is sent None."""
     out = Path(folder)
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")  # one machine: loopback, not a NIC
+    torch.set_num_threads(1)  # the ranks share the machine's cores
     device = torch.device("cpu")
     if device_type == "cuda":
         device = torch.device("cuda", rank)
@@ -172,19 +279,28 @@ def _rank_main(rank: int, world_size: int, spec: tuple[str, str, dict[str, Any]]
         from gradequiv.harness.implementations.resolve import resolve
 
         impl = resolve(spec[0], adapter=spec[1], kwargs=spec[2])
-        case = Case.from_json(case_json)
-        results = {"full": _train(case, None, wrapper, rank, world_size, device),
-                   "recompute": _train(case, impl, wrapper, rank, world_size, device)}
-        torch.save(results, out / f"rank{rank}.pt")
+        user = load_parallelize(parallelize) if parallelize is not None else None
+        while (task := tasks[rank].get()) is not None:
+            number, case_json, parallel = task
+            try:
+                case, engine = Case.from_json(case_json), Parallel.from_dict(parallel)
+                results = {
+                    "full": _train(case, None, engine, user, rank, world_size, device),
+                    "recompute": _train(case, impl, engine, user, rank, world_size, device)}
+                torch.save(results, out / f".{number}-rank{rank}.pt")
+                os.replace(out / f".{number}-rank{rank}.pt", out / f"{number}-rank{rank}.pt")
+            except Exception:
+                (out / f"{number}-rank{rank}.err").write_text(traceback.format_exc())
     except Exception:
-        (out / f"rank{rank}.err").write_text(traceback.format_exc())
+        (out / f"0-rank{rank}.err").write_text(traceback.format_exc())
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
 
 
-def _train(case: Case, impl: Implementation | None, wrapper: str, rank: int,
-           world_size: int, device: torch.device) -> dict[str, Tensor]:
+def _train(case: Case, impl: Implementation | None, parallel: Parallel,
+           parallelize: Callable[[Any, Any], Any] | None, rank: int, world_size: int,
+           device: torch.device) -> dict[str, Tensor]:
     """``case.steps`` SGD steps on this rank's share of the fixed batch; what it saw.
 
     Every rank builds the same weights, but seeds the training stream ``rank``
@@ -192,20 +308,15 @@ def _train(case: Case, impl: Implementation | None, wrapper: str, rank: int,
     """
     path = prepare(case, impl, device, seed_offset=rank)  # wrapping below draws nothing
     model = path.model
-    path = replace(path, inputs=tuple(t[rank::world_size] if t is not None else None
-                                      for t in path.inputs),
-                   targets=path.targets[rank::world_size])
-    wrapped: Any
-    if wrapper == "ddp":
-        from torch.nn.parallel import DistributedDataParallel
-
-        wrapped = DistributedDataParallel(model)
-    else:
-        from torch.distributed.fsdp import fully_shard
-
-        for block in model.get_submodule("blocks").children():
-            fully_shard(block)
-        wrapped = fully_shard(model)
+    rows = path.targets.shape[0] if path.targets.dim() else 0
+    path = replace(path, inputs=tuple(  # this rank's rows: a contiguous share, as a sampler's
+        t.tensor_split(world_size)[rank] if t is not None and t.dim() and t.shape[0] == rows
+        else t for t in path.inputs), targets=path.targets.tensor_split(world_size)[rank])
+    # FSDP2 shards each layer: the reference model's blocks, else the segments' layers (asking
+    # the model for other segments would undo the groups installed on it)
+    layers = list(getattr(model, "blocks", ())) or [m for segment in path.segments
+                                                     for m in segment.counted]
+    wrapped = apply_engine(model, layers, parallel, world_size, parallelize, device.type)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     seen: dict[str, Tensor] = {}
     for step in range(1, case.steps + 1):
@@ -228,29 +339,178 @@ def _full(t: Tensor) -> Tensor:
     return full.detach().to("cpu", copy=True)
 
 
+#: cases a drawn run tries while shrinking a failure, at most: each is seconds on the ranks
+SHRINK_TRIES = 20
+
+
+@dataclass
+class Found:
+    """The smallest failing case a drawn run found, its engine and what the ranks saw."""
+
+    case: Case
+    parallel: Parallel
+    verdict: DistributedVerdict
+
+
+class _Failed(Exception):
+    def __init__(self, found: Found) -> None:
+        super().__init__(found.verdict.first_failure)
+        self.found = found
+
+
+def search(pool: RankPool, *, engines: tuple[str, ...], model: str | None, examples: int,
+           seed: int, say: Callable[[str], None]) -> tuple[int, Found | None]:
+    """Draw ``examples`` cases (:func:`~gradequiv.properties.strategies.distributed_cases`)
+    and run each on ``pool``'s ranks; shrink a failure (at most :data:`SHRINK_TRIES` more
+    cases). How many cases ran, and the smallest failure found (None: every case passed)."""
+    from hypothesis import HealthCheck, Phase, Verbosity, given, reject, settings
+    from hypothesis import seed as seeded
+
+    from gradequiv.properties.strategies import distributed_cases
+
+    ran = [0, 0]  # cases run, of them while shrinking
+    smallest: list[Found] = []  # each failure is smaller than the last: the shrinker's order
+
+    @settings(max_examples=examples, deadline=None, database=None, derandomize=False,
+              report_multiple_bugs=False, verbosity=Verbosity.quiet, print_blob=False,
+              phases=[p for p in Phase if p != Phase.explain],
+              suppress_health_check=list(HealthCheck))
+    @seeded(seed)
+    @given(drawn=distributed_cases(world_size=pool.world_size, engines=engines, model=model,
+                                   device=pool.device))
+    def one(drawn: tuple[Case, Parallel]) -> None:
+        case, parallel = drawn
+        shrinking = ran[1] > 0
+        if case_refusal(case, pool.world_size) or shrinking and ran[1] > SHRINK_TRIES:
+            reject()
+        verdict = pool.run(case, parallel)
+        ran[0] += 1
+        ran[1] += shrinking or not verdict.passed
+        said = "pass" if verdict.passed else f"FAIL: {verdict.first_failure}"
+        say(f"[{ran[0]}] {case.describe()}, {parallel.describe()}: {said} "
+            f"({verdict.seconds:.1f} s)")
+        if not verdict.passed:
+            smallest[:] = [Found(case, parallel, verdict)]
+            raise _Failed(smallest[0])
+
+    try:
+        one()
+    except BaseException as exc:  # the last replay may be refused once the budget is spent
+        if not smallest or isinstance(exc, KeyboardInterrupt):
+            raise
+    return ran[0], smallest[0] if smallest else None
+
+
+def single_process_cause(impl: Implementation, case: Case) -> str:
+    """What ``check`` says of ``case`` in one process: its likely cause, or that the case
+    passes there (what goes wrong then happens only across ranks)."""
+    import contextlib
+    import io
+    import json
+
+    from gradequiv.harness.commands import check
+    from gradequiv.harness.options import check_options
+
+    kwargs = [f"{k}={str(v).lower() if isinstance(v, bool) else v}"
+              for k, v in impl.kwargs.items()]
+    with tempfile.TemporaryDirectory(prefix="gradequiv-dist-cause-") as folder:
+        try:
+            options = check_options(impl=impl.spec, adapter=impl.adapter, impl_kwargs=kwargs,
+                                    case=case.to_json(), profile="ci", report_dir=folder)
+            with contextlib.redirect_stdout(io.StringIO()):
+                code = check.run(options)
+            report = json.loads((Path(folder) / "report.json").read_text(encoding="utf-8"))
+        except Exception as exc:  # the single-process check itself refused: say so, go on
+            return f"not checked in one process ({type(exc).__name__}: {exc})"
+    if code == 0:
+        return ("the same case passes in one process: what goes wrong happens only across "
+                "ranks, under the engine")
+    failure = report.get("failure") or {}
+    sentence = (failure.get("diagnosis") or {}).get("sentence") or failure.get("message")
+    return str(sentence or "it fails in one process too")
+
+
+def reproduce_line(impl: Implementation, case: Case, parallel: Parallel, world_size: int,
+                   parallelize: str | None) -> str:
+    """The command that replays ``case`` on its ranks under its engine."""
+    import shlex
+
+    words = ["gradequiv", "distributed", "--impl", impl.spec]
+    if impl.adapter != "function":
+        words += ["--adapter", impl.adapter]
+    for key, value in impl.kwargs.items():
+        words += ["--impl-kwarg", f"{key}={str(value).lower() if isinstance(value, bool) else value}"]
+    words += ["--world-size", str(world_size), "--wrapper", parallel.engine]
+    if parallel.engine == "fsdp":
+        words += ["--reshard-after-forward", str(parallel.reshard_after_forward).lower()]
+    if parallelize is not None:
+        words += ["--parallelize", parallelize]
+    words += ["--case", case.to_json()]
+    return shlex.join(words)
+
 
 def run(args: Any) -> int:
-    """The distributed command: exit 1 when any wrapper's ranks disagree with full storage."""
+    """The distributed command: drawn cases (or the one ``--case``) on N ranks under each
+    engine; exit 1 when any case's ranks disagree with full storage."""
     from gradequiv.harness.engine.spread import load_case
     from gradequiv.harness.implementations.resolve import resolve
     from gradequiv.harness.validate import impl_kwargs
 
-    wrappers = list(WRAPPERS) if args.wrapper == "both" else [args.wrapper]
     impl = resolve(args.impl, adapter=args.adapter, kwargs=impl_kwargs(args.impl_kwarg))
-    case = load_case(args.case)
-    failed = False
-    for wrapper in wrappers:
-        backend = "NCCL" if args.device == "cuda" else "gloo"
-        print(f"gradequiv distributed: {impl.spec} under {wrapper}, {args.world_size} ranks "
-              f"({backend}), {case.describe()}", flush=True)
-        verdict = verify_distributed(impl, case, wrapper=wrapper, device=args.device,
-                                     world_size=args.world_size, timeout_s=args.timeout)
-        if verdict.passed:
-            print(f"  pass: {verdict.compared} tensors equal on every rank "
-                  f"({verdict.seconds:.1f} s)")
-        else:
-            failed = True
-            print(f"  FAIL: {verdict.first_failure}")
-            for line in verdict.failures[1:5]:
-                print(f"        {line}")
-    return 1 if failed else 0
+    engines = (("ddp", "fsdp") if args.wrapper == "both" else (args.wrapper,))
+    if args.parallelize is not None and args.wrapper == "both":
+        engines = ("user",)
+    if "user" in engines and args.parallelize is None:
+        raise InvalidArgument("--wrapper=user needs --parallelize MODULE:FUNCTION, your "
+                              "function (model, mesh) -> model")
+    _check_pool(args.world_size, args.device, args.parallelize)
+    backend = "NCCL" if args.device == "cuda" else "gloo"
+    with RankPool(impl, world_size=args.world_size, device=args.device,
+                  timeout_s=args.timeout, parallelize=args.parallelize) as pool:
+        if args.case is not None:
+            case = load_case(args.case)
+            refusal = case_refusal(case, args.world_size)
+            if refusal:
+                raise InvalidArgument(f"--case: {refusal}")
+            failed = None
+            for engine in engines:
+                parallel = Parallel(engine, args.reshard_after_forward)
+                print(f"gradequiv distributed: {impl.spec} under {parallel.describe()}, "
+                      f"{args.world_size} ranks ({backend}), {case.describe()}", flush=True)
+                verdict = pool.run(case, parallel)
+                if verdict.passed:
+                    print(f"  pass: {verdict.compared} tensors equal on every rank "
+                          f"({verdict.seconds:.1f} s)", flush=True)
+                else:
+                    print(f"  FAIL: {verdict.first_failure}", flush=True)
+                    for line in verdict.failures[1:5]:
+                        print(f"        {line}")
+                    failed = failed or Found(case, parallel, verdict)
+            if failed is None:
+                return 0
+            return _say_failure(impl, failed, args.world_size, args.parallelize)
+        print(f"gradequiv distributed: {impl.spec} on {args.world_size} ranks ({backend}), "
+              f"{args.examples} drawn cases under {', '.join(engines)}, seed {args.seed}",
+              flush=True)
+        ran, found = search(pool, engines=engines, model=args.model, examples=args.examples,
+                            seed=args.seed, say=lambda line: print(line, flush=True))
+    if found is None:
+        print(f"{ran} case(s) verified on every rank\nverdict: pass")
+        return 0
+    print(f"{ran} case(s) run, the last ones shrinking a failure")
+    return _say_failure(impl, found, args.world_size, args.parallelize)
+
+
+def _say_failure(impl: Implementation, found: Found, world_size: int,
+                 parallelize: str | None) -> int:
+    verdict = found.verdict
+    print(f"minimal failure: {found.case.describe()}, under {found.parallel.describe()} on "
+          f"{world_size} ranks")
+    print(f"    {verdict.first_failure}")
+    for line in verdict.failures[1:4]:
+        print(f"    {line}")
+    if verdict.error is None:
+        print(f"likely cause: {single_process_cause(impl, found.case)}")
+    print(f"    reproduce: {reproduce_line(impl, found.case, found.parallel, world_size, parallelize)}")
+    print("verdict: FAIL")
+    return 1

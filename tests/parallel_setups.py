@@ -1,0 +1,19 @@
+"""Users' own parallel set-ups, (model, mesh) -> model as torchtitan's parallelize_* are
+written (tests/test_distributed.py)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+
+def fsdp_per_block(model: Any, mesh: Any) -> Any:
+    """FSDP2 on each transformer block, then the root, keeping parameters gathered between
+    forward and backward."""
+    from torch.distributed.fsdp import fully_shard
+
+    for block in model.blocks:
+        fully_shard(block, mesh=mesh, reshard_after_forward=False)
+    return fully_shard(model, mesh=mesh, reshard_after_forward=False)
+
+
+NOT_A_FUNCTION = 3
