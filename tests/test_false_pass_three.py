@@ -168,3 +168,13 @@ def test_a_fault_only_above_four_sequences_is_caught_by_a_named_and_a_drawn_case
     long = find(cases(), lambda c: c.batch.batch_size > 4 and c.batch.seq_len > 32,
                 settings=settings(database=None, max_examples=200))
     assert long.batch.batch_size == 5 and long.batch.seq_len == 33  # shrunk to the least
+
+
+def test_profile_refuses_sizes_too_large_to_build_before_allocating(
+        capsys: pytest.CaptureFixture[str]) -> None:
+    """It allocated first, and a width of a million ended in a 12 TB allocation's traceback."""
+    assert main(["profile", "--impl", "torch", "--width", "1000000", "--layers", "2",
+                 "--heads", "1"]) == 2
+    err = capsys.readouterr().err
+    assert "--layers, --width, --batch, --seq-len: its model would hold about 2.4e+13 " \
+           "parameters (n_layer=2, n_embd=1000000" in err

@@ -82,7 +82,7 @@ def _run(options: CheckOptions, observer: Any) -> int:
     if options.case is not None:
         case = load_case(options.case)
         _refuse_model_mismatch(options, case)
-        _refuse_too_large(options.case, case)
+        refuse_too_large(case, said=f"--case={_short(options.case)}")
         try:
             check_runnable(case, device)
         except (MemoryError, RuntimeError) as exc:
@@ -188,8 +188,9 @@ def _refuse_model_mismatch(options: CheckOptions, case: Any) -> None:
 MAX_CASE_ELEMENTS = 2**28
 
 
-def _refuse_too_large(text: str, case: Any) -> None:
-    """A --case too large to build is a usage error (exit 2) before it is built."""
+def refuse_too_large(case: Any, *, said: str) -> None:
+    """A case too large to build is a usage error (exit 2) before it is built; ``said``
+    names where its sizes came from (``--case='...'``, profile's size options)."""
     from gradequiv.models import BatchNormConfig, TransformerConfig
 
     config, batch = case.model, case.batch
@@ -211,7 +212,7 @@ def _refuse_too_large(text: str, case: Any) -> None:
     for what, count in (("parameters", params), ("activation elements", activations)):
         if count > MAX_CASE_ELEMENTS:
             raise InvalidArgument(
-                f"--case={_short(text)}: its model would hold about {count:.3g} {what} "
+                f"{said}: its model would hold about {count:.3g} {what} "
                 f"({sizes}), more than the {MAX_CASE_ELEMENTS:.3g} a case may; pick "
                 f"smaller sizes")
 

@@ -643,6 +643,9 @@ def _measure(args: Any, threads: int | None) -> int:
                                   max_seq_len=args.seq_len, **rates)
         case = Case(model=model, batch=BatchConfig(args.batch, args.seq_len, padding=False),
                     dtype=args.dtype, name="profile")
+        from gradequiv.harness.commands.check import refuse_too_large
+
+        refuse_too_large(case, said="--layers, --width, --batch, --seq-len")
     count = torch.get_num_threads()
     print(f"gradequiv profile: {impl.spec} on {device}, {case.describe()}, "
           f"{len(granularities)} granularities x {args.steps} steps, {count} "
