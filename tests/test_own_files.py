@@ -320,7 +320,7 @@ def test_output_onto_a_folder_is_refused(rendered: Path, tmp_path: Path,
 def test_a_full_disk_under_report_is_exit_2_and_keeps_the_old_file(
         rendered: Path, capsys: pytest.CaptureFixture[str],
         monkeypatch: pytest.MonkeyPatch) -> None:
-    (rendered / "report.md").write_text("the old view\n")
+    files.write_text_atomic(rendered / "report.md", "the old view\n")  # gradequiv's own
 
     def full_disk(fd: int) -> None:
         raise OSError(errno.ENOSPC, "No space left on device")
@@ -389,3 +389,19 @@ def test_a_case_file_that_is_no_case_file_is_refused_unread(tmp_path: Path) -> N
         load_case(str(big))
     with pytest.raises(InvalidArgument, match="is not valid JSON"):
         load_case('{"seed": ' + "9" * 5000 + "}")  # past int()'s digits: a ValueError
+
+
+def test_report_renders_over_its_own_views_but_not_over_a_users_file(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """A folder a check claimed: rendering again replaces the views gradequiv wrote, and a
+    junit.xml the user put there since is refused (exit 2) and left as it is."""
+    folder = tmp_path / "r"
+    assert main(["check", "--impl", "torch", "--case", "1L-layer-dropout", "--in-process",
+                 "--report-dir", str(folder)]) == 0
+    assert main(["report", str(folder), "--format", "all"]) == 0
+    assert main(["report", str(folder), "--format", "all"]) == 0  # its own, again
+    (folder / "junit.xml").write_text("<mine/>", encoding="utf-8")
+    capsys.readouterr()
+    assert main(["report", str(folder), "--format", "junit"]) == 2
+    assert "holds junit.xml, which gradequiv did not write" in capsys.readouterr().err
+    assert (folder / "junit.xml").read_text(encoding="utf-8") == "<mine/>"

@@ -33,6 +33,8 @@ def run(args: Any) -> int:
             raise InvalidArgument(f"--format junit needs {args.folder / 'report.json'}, "
                                   f"written by `gradequiv check --report-dir {args.folder}`")
         formats.remove("junit")
+    _refuse_foreign_views(args.folder, [] if args.output else
+                          [args.folder / FORMATS[name] for name in formats])
     for name in formats:
         text = render(name, bundle)
         if args.output == "-":
@@ -61,6 +63,21 @@ def run(args: Any) -> int:
                   f"nothing was checked, so --fail-on-verdict exits 1", file=sys.stderr)
         return 1
     return 0
+
+
+def _refuse_foreign_views(folder: Path, paths: list[Path]) -> None:
+    """In a folder a check run claimed (it keeps a manifest), a view is written only over
+    one gradequiv wrote: the user's own junit.xml there is refused, exit 2, untouched."""
+    from gradequiv.harness.reports.files import MANIFEST, not_written_by_us
+
+    if not (folder / MANIFEST).is_file():
+        return  # not a check's folder (a profile's, a mutants run's): its views are ours
+    foreign = not_written_by_us(folder, [p for p in paths if p.exists() or p.is_symlink()])
+    if foreign:
+        names = ", ".join(p.name for p in foreign)
+        raise InvalidArgument(f"{str(folder)!r} holds {names}, which gradequiv did not write "
+                              f"(or which changed since); move it, or write the view "
+                              f"elsewhere with --output PATH")
 
 
 def write_markdown(folder: Path) -> Path | None:

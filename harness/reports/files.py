@@ -27,7 +27,7 @@ from typing import Any
 from gradequiv.harness.errors import InvalidArgument
 
 __all__ = ["LOCK_FILE", "MANIFEST", "RENDERED", "REPORT_FILE", "claim_report_dir",
-           "discard_set_aside", "lock_report_dir", "run_identity", "take_write_failure",
+           "discard_set_aside", "lock_report_dir", "not_written_by_us", "run_identity", "take_write_failure",
            "unclaim_report_dir", "write_json_atomic", "write_text_atomic",
            "write_text_through"]
 
@@ -87,11 +87,7 @@ def claim_report_dir(folder: Path, identity: Mapping[str, Any] | None = None, *,
         found = [folder / name for name in _OWNED if _exists(folder / name)]
         found += sorted(p for p in folder.glob(f"{CASES_DIR}/minimal-*.json")
                         if _CASE_FILE.fullmatch(p.name))
-        manifest = _read_manifest(folder)
-        earlier = manifest is None and _is_gradequiv_report(folder / REPORT_FILE)
-        recorded = (manifest or {}).get("files", {})
-        foreign = [p for p in found if not (_regular(p) and (
-            earlier or _unchanged(p, recorded.get(p.relative_to(folder).as_posix()))))]
+        foreign = not_written_by_us(folder, found)
         if foreign:
             raise InvalidArgument(_foreign_message(folder, foreign))
         discard_set_aside(folder)  # an earlier run's, never put back: superseded
@@ -112,6 +108,17 @@ def claim_report_dir(folder: Path, identity: Mapping[str, Any] | None = None, *,
         raise InvalidArgument(f"--report-dir={str(folder)!r} cannot be written "
                               f"({type(exc).__name__}: {exc}); pick a folder you can write "
                               f"to") from exc
+
+
+def not_written_by_us(folder: Path, paths: list[Path]) -> list[Path]:
+    """Those of ``paths`` (report files in ``folder``) that gradequiv cannot show it wrote:
+    not in the folder's manifest as they are now (a folder with no manifest whose
+    report.json is a gradequiv report: an earlier version wrote its report files)."""
+    manifest = _read_manifest(folder)
+    earlier = manifest is None and _is_gradequiv_report(folder / REPORT_FILE)
+    recorded = (manifest or {}).get("files", {})
+    return [p for p in paths if not (_regular(p) and (
+        earlier or _unchanged(p, recorded.get(p.relative_to(folder).as_posix()))))]
 
 
 def unclaim_report_dir(folder: Path) -> None:
