@@ -411,8 +411,8 @@ def single_process_cause(impl: Implementation, case: Case) -> str:
     from gradequiv.harness.commands import check
     from gradequiv.harness.options import check_options
 
-    kwargs = [f"{k}={str(v).lower() if isinstance(v, bool) else v}"
-              for k, v in impl.kwargs.items()]
+    named = impl.command_args()  # --impl SPEC [--adapter A] [--impl-kwarg K=V ...]
+    kwargs = [value for flag, value in zip(named, named[1:]) if flag == "--impl-kwarg"]
     with tempfile.TemporaryDirectory(prefix="gradequiv-dist-cause-") as folder:
         try:
             options = check_options(impl=impl.spec, adapter=impl.adapter, impl_kwargs=kwargs,
@@ -435,12 +435,8 @@ def reproduce_line(impl: Implementation, case: Case, parallel: Parallel, world_s
     """The command that replays ``case`` on its ranks under its engine."""
     import shlex
 
-    words = ["gradequiv", "distributed", "--impl", impl.spec]
-    if impl.adapter != "function":
-        words += ["--adapter", impl.adapter]
-    for key, value in impl.kwargs.items():
-        words += ["--impl-kwarg", f"{key}={str(value).lower() if isinstance(value, bool) else value}"]
-    words += ["--world-size", str(world_size), "--wrapper", parallel.engine]
+    words = ["gradequiv", "distributed", *impl.command_args(), "--world-size", str(world_size),
+             "--wrapper", parallel.engine]
     if parallel.engine == "fsdp":
         words += ["--reshard-after-forward", str(parallel.reshard_after_forward).lower()]
     if parallelize is not None:
