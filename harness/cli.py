@@ -181,11 +181,14 @@ def build_parser() -> argparse.ArgumentParser:
     prof.add_argument("--report-dir", type=Path, default=None, metavar="DIR",
                       help="write DIR/profile.json, profile.md and profile.png")
     dist = commands.add_parser(
-        "distributed", help="DDP / FSDP training with and without recompute on N ranks")
+        "distributed", help="DDP / FSDP / tensor-parallel training with and without "
+                            "recompute on N ranks")
     _implementation_options(dist)
-    dist.add_argument("--wrapper", choices=("ddp", "fsdp", "user", "both"), default="both",
+    dist.add_argument("--wrapper", choices=("ddp", "fsdp", "tp", "user", "both", "all"),
+                      default="all",
                       help="the engine: DDP, FSDP2's fully_shard per layer and at the root, "
-                           "your --parallelize function (user), or ddp and fsdp (both, the "
+                           "tensor parallelism with DTensor (tp), your --parallelize function "
+                           "(user); ddp and fsdp (both), or ddp, fsdp and tp (all, the "
                            "default; user when --parallelize is given)")
     dist.add_argument("--world-size", type=_count("--world-size"), default=2, metavar="N")
     dist.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
@@ -204,6 +207,9 @@ def build_parser() -> argparse.ArgumentParser:
     dist.add_argument("--reshard-after-forward", type=_reshard, default=True,
                       metavar="true|false|N",
                       help="FSDP2's reshard_after_forward for --case (drawn cases draw it)")
+    dist.add_argument("--mixed-precision", action="store_true",
+                      help="FSDP2's MixedPrecisionPolicy (bf16 parameters, fp32 reduce) for "
+                           "--case (drawn cases draw it)")
     dist.add_argument("--timeout", type=_tolerance("--timeout"), default=300.0, metavar="SECONDS",
                       help="kill the ranks after this long (default %(default)s)")
     zoo = commands.add_parser(

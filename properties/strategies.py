@@ -471,19 +471,22 @@ def cases(
     )
 
 
-#: FSDP2's reshard modes a distributed case is drawn with, in shrink order
-RESHARD_MODES: tuple[bool | int, ...] = (True, False)
+#: FSDP2's reshard modes a distributed case is drawn with, in shrink order (2: reshard to
+#: groups of two ranks after forward, where that divides the world size)
+RESHARD_MODES: tuple[bool | int, ...] = (True, False, 2)
 
 
 @_cached
-def distributed_cases(*, world_size: int = 2, engines: tuple[str, ...] = ("ddp", "fsdp"),
+def distributed_cases(*, world_size: int = 2,
+                      engines: tuple[str, ...] = ("ddp", "fsdp", "tp"),
                       model: str | None = None, device: str = "cpu"
                       ) -> st.SearchStrategy[tuple[Case, Parallel]]:
     """Return a strategy for cases trained on ``world_size`` ranks, with their engine: the
     cases :func:`cases` (or :func:`external_cases` of ``model``) draws, trained one
     forward and one ``loss.backward()`` a step with every parameter training, at least a
-    sample a rank; the engine among ``engines`` and, under FSDP2, its reshard mode. Shrinks
-    towards the first engine, resharding after forward, and the cheapest case."""
+    sample a rank; the engine among ``engines`` and, under FSDP2, its reshard mode and
+    whether its mixed-precision policy is on. Shrinks towards the first engine, resharding
+    after forward, full precision and the cheapest case."""
     if world_size < 2:
         raise InvalidArgument(f"world_size={world_size!r}: at least 2 ranks")
     drawn = (external_cases(model, device=device, modes=("backward",)) if model is not None
@@ -498,7 +501,9 @@ def distributed_cases(*, world_size: int = 2, engines: tuple[str, ...] = ("ddp",
                        backward_autocast=False, trainable="all", inference=False,
                        batch=replace(case.batch, batch_size=rows))
 
+    modes = tuple(m for m in RESHARD_MODES if isinstance(m, bool) or world_size % m == 0)
     engine = _one_of(engines).flatmap(
-        lambda name: _one_of(RESHARD_MODES).map(lambda mode: Parallel(name, mode))
+        lambda name: st.tuples(_one_of(modes), st.booleans()).map(
+            lambda drawn: Parallel(name, *drawn))
         if name == "fsdp" else st.just(Parallel(name)))
     return st.tuples(drawn.map(trained_so), engine)

@@ -1,28 +1,44 @@
-"""Recompute under DDP and FSDP on two gloo ranks: equal where it should be, caught where not."""
+"""Recompute under DDP, FSDP2 and tensor parallelism on two gloo ranks: equal where it should
+be, caught where not. Each start of ranks costs seconds: the drawn runs and the engines one by
+one are marked ``distributed`` (``-m distributed``, in .ci/run); the default suite keeps one
+case under every engine and the refusals."""
 
 from __future__ import annotations
 
 import shlex
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
 from gradequiv.harness import find_case, resolve
 from gradequiv.harness.cli import main
-from gradequiv.harness.commands.distributed import verify_distributed
+from gradequiv.harness.commands.distributed import RankPool, verify_distributed
+from gradequiv.harness.engine.parallel import Parallel
 from gradequiv.models import InvalidArgument
 
 CASE = find_case("4L-group2-dropout-untied")  # batch 2: one sample per rank, dropout on
+NO_RNG_RESTORE = resolve("torch", kwargs={"preserve_rng_state": False})
 
 
-def test_torch_checkpoint_matches_full_storage_under_ddp_and_fsdp(
+@pytest.fixture(scope="module")
+def ranks() -> Iterator[RankPool]:
+    """Two ranks for the module's cases, started once, as a run starts them."""
+    with RankPool(resolve("torch"), world_size=2) as pool:
+        yield pool
+
+
+def test_torch_checkpoint_matches_full_storage_under_every_engine(
         capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["distributed", "--impl", "torch", "--case", CASE.name]) == 0
     out = capsys.readouterr().out
-    assert out.count("  pass: 196 tensors equal on every rank") == 2  # ddp, then fsdp
+    # ddp, fsdp, tp: each rank checks what check checks (gradients, weights, buffers, RNG)
+    assert out.count("  pass: 210 tensors equal on every rank") == 3
+    assert "under tp (DTensor: MLPs column- then row-wise)" in out
 
 
+@pytest.mark.distributed
 def test_drawn_cases_pass_on_two_ranks_under_both_engines_and_reshard_modes(
         capsys: pytest.CaptureFixture[str]) -> None:
     """Drawn as check draws them (dtypes, granularities, dropout, the model's knobs), each
@@ -33,6 +49,7 @@ def test_drawn_cases_pass_on_two_ranks_under_both_engines_and_reshard_modes(
     assert ", ddp: pass" in out and "fsdp (reshard_after_forward=False): pass" in out
 
 
+@pytest.mark.distributed
 def test_a_drawn_failure_is_shrunk_with_its_cause_and_a_line_that_replays_it(
         capsys: pytest.CaptureFixture[str]) -> None:
     code = main(["distributed", "--impl", "torch", "--impl-kwarg", "preserve_rng_state=false",
@@ -44,9 +61,10 @@ def test_a_drawn_failure_is_shrunk_with_its_cause_and_a_line_that_replays_it(
     assert reproduce.startswith("gradequiv distributed --impl torch --impl-kwarg "
                                 "preserve_rng_state=false --world-size 2 --wrapper ddp --case")
     assert main(shlex.split(reproduce)[1:]) == 1
-    assert "  FAIL: rank 0: step 1 grad of" in capsys.readouterr().out
+    assert "  FAIL: rank 0: gradients: grad of" in capsys.readouterr().out
 
 
+@pytest.mark.distributed
 def test_a_users_model_and_parallel_set_up_are_what_the_ranks_train(
         monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
     monkeypatch.syspath_prepend(str(Path(__file__).parent))
@@ -63,24 +81,37 @@ def test_a_users_model_and_parallel_set_up_are_what_the_ranks_train(
         capsys.readouterr().err
 
 
+@pytest.mark.distributed
 def test_fsdp_keeping_its_parameters_gathered_is_checked_too() -> None:
     verdict = verify_distributed(resolve("torch"), CASE, wrapper="fsdp",
                                  reshard_after_forward=False)
     assert verdict.passed and verdict.wrapper == "fsdp (reshard_after_forward=False)"
-    broken = verify_distributed(resolve("torch", kwargs={"preserve_rng_state": False}), CASE,
-                                wrapper="fsdp", reshard_after_forward=False)
-    assert not broken.passed
 
 
-def test_no_rng_restore_is_caught_on_every_rank() -> None:
-    verdict = verify_distributed(resolve("torch", kwargs={"preserve_rng_state": False}), CASE,
-                                 wrapper="ddp")
+@pytest.mark.distributed
+@pytest.mark.parametrize("parallel", [
+    Parallel("fsdp", reshard_after_forward=False),  # the re-run meets gathered parameters
+    Parallel("tp"),  # dropout in the sharded MLP draws from torch's distributed RNG
+    Parallel("fsdp", mixed_precision=True),  # the re-run computes in bf16 too
+], ids=["fsdp-keep-gathered", "tp", "fsdp-bf16"])
+def test_every_engine_passes_and_catches_a_lost_rng(ranks: RankPool, parallel: Parallel) -> None:
+    assert ranks.run(CASE, parallel).passed
+    broken = ranks.run(CASE, parallel, impl=NO_RNG_RESTORE)
+    assert not broken.passed and broken.error is None
+    assert {line.split(":")[0] for line in broken.failures} == {"rank 0", "rank 1"}
+
+
+def test_no_rng_restore_is_caught_on_every_rank(ranks: RankPool) -> None:
+    verdict = ranks.run(CASE, Parallel("ddp"), impl=NO_RNG_RESTORE)
     assert not verdict.passed and verdict.error is None
-    ranks = {line.split(":")[0] for line in verdict.failures}
-    assert ranks == {"rank 0", "rank 1"}
-    assert any("grad of wte.weight" in line for line in verdict.failures)
+    assert {line.split(":")[0] for line in verdict.failures} == {"rank 0", "rank 1"}
+    for rank in verdict.verdicts:  # each rank's verdict, as check gives one: the reduced
+        # gradients differ down to the embedding, below every re-run segment
+        gradients = next(p for p in rank.properties if p.name == "gradients")
+        assert "grad of wte.weight" in {c.name for c in gradients.checks if not c.passed}
 
 
+@pytest.mark.distributed
 def test_a_hanging_rank_is_killed_and_fails_the_verdict(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("PYTHONPATH", str(Path(__file__).parent))  # ranks import wrong_impls
     started = time.monotonic()
@@ -90,7 +121,8 @@ def test_a_hanging_rank_is_killed_and_fails_the_verdict(monkeypatch: pytest.Monk
 
 
 @pytest.mark.parametrize("kwargs, message", [
-    ({"wrapper": "zero3"}, "wrapper='zero3' is not one of ddp, fsdp"),
+    ({"wrapper": "zero3"}, "wrapper='zero3' is not one of ddp, fsdp, tp, user"),
+    ({"wrapper": "ddp", "mixed_precision": True}, "the policy is FSDP2's"),
     ({"world_size": 1}, "world_size=1: data parallelism needs at least 2"),
     ({"world_size": 3}, "batch_size=2 < world_size=3"),
     ({"device": "tpu"}, "device='tpu' is not one of cpu, cuda"),

@@ -4,9 +4,10 @@ Recompute is used together with DDP and sharded data parallelism, and the
 combination has its own ways to go wrong: a reentrant checkpoint re-runs a
 segment whose parameters DDP has already marked ready, FSDP must gather
 sharded weights again for the recompute, and each rank draws its own dropout
-masks. So the same case is trained twice in the same process group, full
-storage then recompute, and every rank's losses, the reduced gradients and
-the final weights must match.
+masks. So each rank runs the case as ``check`` runs it (``verify``: full
+storage, the recompute, the same properties) under the engine, on its share
+of the batch, with gradients and weights made whole where sharded; this
+module only starts the ranks, hands them cases and collects their verdicts.
 
 Ranks are started with torch's own launcher (multiprocessing spawn), talk
 over gloo on the CPU (NCCL on GPUs), rendezvous through a file, and are
@@ -17,41 +18,54 @@ as a failed verdict, not a stuck CI job.
 from __future__ import annotations
 
 import os
+import pickle
 import sys
 import tempfile
 import time
 import traceback
 from collections.abc import Callable
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch import Tensor
 from torch.multiprocessing.spawn import start_processes
 
 from gradequiv.harness.engine.case import Case
-from gradequiv.harness.engine.compare import Tolerance, measure_pairs
-from gradequiv.harness.engine.parallel import Parallel, apply_engine
-from gradequiv.harness.engine.path import prepare
+from gradequiv.harness.engine.parallel import Parallel, RankSetup
+from gradequiv.harness.engine.verify import Verdict, verify
 from gradequiv.harness.errors import InvalidArgument, exception_line
 from gradequiv.harness.implementations.adapters import Implementation
 
 __all__ = ["WRAPPERS", "DistributedVerdict", "RankPool", "verify_distributed"]
 
-WRAPPERS = ("ddp", "fsdp")
+#: the engines the harness sets up itself (``user``: the function ``--parallelize`` names)
+WRAPPERS = ("ddp", "fsdp", "tp")
+#: what ``--wrapper`` accepts beyond one engine: every engine the harness sets up
+#: (``all``, the default) or the two data-parallel ones (``both``)
+WRAPPER_GROUPS = {"all": WRAPPERS, "both": ("ddp", "fsdp")}
 
 
 @dataclass
 class DistributedVerdict:
+    """What the ranks found of one case: each rank's verdict, as ``check`` gives one."""
+
     wrapper: str
     world_size: int
     passed: bool = False
-    failures: list[str] = field(default_factory=list)  # one line per mismatched tensor
+    failures: list[str] = field(default_factory=list)  # each failing rank's first failure
     compared: int = 0  # tensors compared, over all ranks and steps
     error: str | None = None  # a rank's traceback, or the timeout
     seconds: float = 0.0
+    verdicts: list[Verdict] = field(default_factory=list)  # by rank
+
+    def take(self, verdicts: list[Verdict]) -> None:
+        """The ranks' verdicts: failing ranks first by rank, the properties' own words."""
+        self.verdicts = verdicts
+        self.compared = sum(len(p.checks) for v in verdicts for p in v.properties)
+        self.failures = [f"rank {rank}: {v.first_failure}"
+                         for rank, v in enumerate(verdicts) if not v.passed]
 
     @property
     def first_failure(self) -> str:
@@ -68,6 +82,7 @@ def verify_distributed(
     timeout_s: float = 300.0,
     device: str = "cpu",
     reshard_after_forward: bool | int = True,
+    mixed_precision: bool = False,
     parallelize: str | None = None,
 ) -> DistributedVerdict:
     """Train ``case`` under ``wrapper`` (an engine: ddp, fsdp, or ``user``, the function
@@ -77,7 +92,7 @@ def verify_distributed(
     ``device="cpu"``: gloo, every rank on the CPU. ``device="cuda"``: NCCL, rank r
     on GPU r, so it needs ``world_size`` GPUs.
     """
-    parallel = _parallel(wrapper, reshard_after_forward, parallelize)
+    parallel = _parallel(wrapper, reshard_after_forward, mixed_precision, parallelize)
     _check_pool(world_size, device, parallelize)
     refusal = case_refusal(case, world_size)
     if refusal:
@@ -87,12 +102,14 @@ def verify_distributed(
         return pool.run(case, parallel)
 
 
-def _parallel(wrapper: str, reshard: bool | int, parallelize: str | None) -> Parallel:
+def _parallel(wrapper: str, reshard: bool | int, mixed_precision: bool,
+              parallelize: str | None) -> Parallel:
     if wrapper not in (*WRAPPERS, "user"):
-        raise InvalidArgument(f"wrapper={wrapper!r} is not one of {', '.join(WRAPPERS)}")
+        raise InvalidArgument(f"wrapper={wrapper!r} is not one of {', '.join(WRAPPERS)}, "
+                              f"user")
     if wrapper == "user" and parallelize is None:
         raise InvalidArgument("wrapper='user' needs parallelize='module:function'")
-    return Parallel(wrapper, reshard)
+    return Parallel(wrapper, reshard, mixed_precision)
 
 
 def _check_pool(world_size: int, device: str, parallelize: str | None) -> None:
@@ -147,7 +164,8 @@ def load_parallelize(spec: str) -> Callable[[Any, Any], Any]:
 
 class RankPool:
     """``world_size`` ranks, started once, each in one process group for the whole run,
-    taking cases one after another (a process group per case costs seconds of start-up).
+    taking cases one after another (a process group per case costs seconds of start-up),
+    each with ``impl`` or the implementation it is given (a rank imports each once).
     A rank that raises, dies or hangs fails its case; the pool is then started anew."""
 
     def __init__(self, impl: Implementation, *, world_size: int, device: str = "cpu",
@@ -172,15 +190,18 @@ class RankPool:
         self._tasks = [spawn.Queue() for _ in range(self.world_size)]
         started = Path(self._folder.name) / f"pool{self._number}"
         started.mkdir()
-        spec = (self.impl.spec, self.impl.adapter, self.impl.kwargs)
         self._out = started
         self._context = start_processes(  # type: ignore[no-untyped-call]  # untyped in torch
-            _rank_main, args=(self.world_size, spec, str(started), self.device, self._tasks,
+            _rank_main, args=(self.world_size, str(started), self.device, self._tasks,
                               self.parallelize),
             nprocs=self.world_size, join=False, start_method="spawn")
 
-    def run(self, case: Case, parallel: Parallel) -> DistributedVerdict:
-        """``case`` under ``parallel`` on every rank: full storage, then the recompute."""
+    def run(self, case: Case, parallel: Parallel, impl: Implementation | None = None
+            ) -> DistributedVerdict:
+        """``case`` under ``parallel`` on every rank: full storage, then the recompute
+        through ``impl`` (by default the pool's)."""
+        impl = impl or self.impl
+        spec = (impl.spec, impl.adapter, impl.kwargs)
         if self._context is None:
             self._start()
         self._number += 1
@@ -188,7 +209,7 @@ class RankPool:
         verdict = DistributedVerdict(parallel.describe(), self.world_size)
         started = time.perf_counter()
         for queue in self._tasks:
-            queue.put((number, case.to_json(), parallel.to_dict()))
+            queue.put((number, spec, case.to_json(), parallel.to_dict()))
         results = [self._out / f"{number}-rank{r}.pt" for r in range(self.world_size)]
         errors = [self._out / f"{number}-rank{r}.err" for r in range(self.world_size)]
         deadline = time.monotonic() + self.timeout_s
@@ -206,6 +227,9 @@ class RankPool:
             if dead:
                 said = "".join(f"\n{e.stem.split('-')[1]}: {e.read_text()}"
                                for e in sorted(self._out.glob("0-rank*.err")))
+                said += "".join(f"\n{c.stem}: {c.read_text(errors='replace')}"
+                                for c in sorted(self._out.glob("rank*.crash"))
+                                if c.stat().st_size)
                 verdict.error = (f"a rank died: exit code {dead[0].exitcode} (os._exit, a "
                                  f"signal or a crash in the implementation?){said}")
                 break
@@ -213,7 +237,7 @@ class RankPool:
         if verdict.error is not None:
             self._stop()  # its process group may be mid-collective: a fresh one next case
         else:
-            _compare([torch.load(p) for p in results], case, verdict)
+            verdict.take([_load_verdict(p) for p in results])
             for p in results:
                 p.unlink()
         verdict.seconds = time.perf_counter() - started
@@ -240,32 +264,22 @@ class RankPool:
         self._folder.cleanup()
 
 
-def _compare(results: list[dict[str, dict[str, Tensor]]], case: Case,
-             verdict: DistributedVerdict) -> None:
-    tolerance = Tolerance(case.dtype)
-    names, pairs = [], []
-    for rank, result in enumerate(results):
-        full, recompute = result["full"], result["recompute"]
-        for name in (n for n in full if n in recompute):
-            names.append(f"rank {rank}: {name}")
-            pairs.append((recompute[name], full[name]))
-        missing = sorted(set(full) ^ set(recompute))
-        verdict.failures += [f"rank {rank}: {n} exists on one path only" for n in missing]
-    for name, (_, reference), metrics in zip(names, pairs, measure_pairs(pairs)):
-        bound = tolerance.bound(0.0, reference.dtype)
-        if not tolerance.passes(metrics, bound):
-            verdict.failures.append(
-                f"{name}: relative error {metrics.rel_error:.3g} > bound {bound:.3g}; "
-                f"{metrics.mismatched} of {metrics.numel} elements differ")
-    verdict.compared = len(pairs)
+def _load_verdict(path: Path) -> Verdict:
+    with path.open("rb") as file:
+        verdict: Verdict = pickle.load(file)  # written by this run's own ranks
+    return verdict
 
 
-def _rank_main(rank: int, world_size: int, spec: tuple[str, str, dict[str, Any]],
-               folder: str, device_type: str, tasks: list[Any],
+def _rank_main(rank: int, world_size: int, folder: str, device_type: str, tasks: list[Any],
                parallelize: str | None) -> None:
     """One rank: one process group, then each case it is sent, both paths; results or a
-    traceback to ``folder``, until it is sent None."""
+    traceback to ``folder``, until it is sent None. A crash (a signal) leaves the Python
+    stacks of the rank's threads in ``rank<r>.crash`` there."""
+    import faulthandler
+
     out = Path(folder)
+    crash = (out / f"rank{rank}.crash").open("w")  # open for the life of the rank
+    faulthandler.enable(crash, all_threads=True)
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")  # one machine: loopback, not a NIC
     torch.set_num_threads(1)  # the ranks share the machine's cores
     device = torch.device("cpu")
@@ -278,16 +292,20 @@ def _rank_main(rank: int, world_size: int, spec: tuple[str, str, dict[str, Any]]
                                 rank=rank, world_size=world_size)
         from gradequiv.harness.implementations.resolve import resolve
 
-        impl = resolve(spec[0], adapter=spec[1], kwargs=spec[2])
+        resolved: dict[str, Implementation] = {}
         user = load_parallelize(parallelize) if parallelize is not None else None
         while (task := tasks[rank].get()) is not None:
-            number, case_json, parallel = task
+            number, spec, case_json, parallel = task
             try:
-                case, engine = Case.from_json(case_json), Parallel.from_dict(parallel)
-                results = {
-                    "full": _train(case, None, engine, user, rank, world_size, device),
-                    "recompute": _train(case, impl, engine, user, rank, world_size, device)}
-                torch.save(results, out / f".{number}-rank{rank}.pt")
+                if repr(spec) not in resolved:
+                    resolved[repr(spec)] = resolve(spec[0], adapter=spec[1], kwargs=spec[2])
+                impl = resolved[repr(spec)]
+                case = Case.from_json(case_json)
+                setup = RankSetup(Parallel.from_dict(parallel), rank, world_size, device.type,
+                                  user)
+                verdict = verify(impl, case, device=device, ranks=setup)
+                with (out / f".{number}-rank{rank}.pt").open("wb") as file:
+                    pickle.dump(verdict, file)
                 os.replace(out / f".{number}-rank{rank}.pt", out / f"{number}-rank{rank}.pt")
             except Exception:
                 (out / f"{number}-rank{rank}.err").write_text(traceback.format_exc())
@@ -296,47 +314,8 @@ def _rank_main(rank: int, world_size: int, spec: tuple[str, str, dict[str, Any]]
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
-
-
-def _train(case: Case, impl: Implementation | None, parallel: Parallel,
-           parallelize: Callable[[Any, Any], Any] | None, rank: int, world_size: int,
-           device: torch.device) -> dict[str, Tensor]:
-    """``case.steps`` SGD steps on this rank's share of the fixed batch; what it saw.
-
-    Every rank builds the same weights, but seeds the training stream ``rank``
-    past the case's: each rank draws its own dropout masks, as in real training.
-    """
-    path = prepare(case, impl, device, seed_offset=rank)  # wrapping below draws nothing
-    model = path.model
-    rows = path.targets.shape[0] if path.targets.dim() else 0
-    path = replace(path, inputs=tuple(  # this rank's rows: a contiguous share, as a sampler's
-        t.tensor_split(world_size)[rank] if t is not None and t.dim() and t.shape[0] == rows
-        else t for t in path.inputs), targets=path.targets.tensor_split(world_size)[rank])
-    # FSDP2 shards each layer: the reference model's blocks, else the segments' layers (asking
-    # the model for other segments would undo the groups installed on it)
-    layers = list(getattr(model, "blocks", ())) or [m for segment in path.segments
-                                                     for m in segment.counted]
-    wrapped = apply_engine(model, layers, parallel, world_size, parallelize, device.type)
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
-    seen: dict[str, Tensor] = {}
-    for step in range(1, case.steps + 1):
-        optimizer.zero_grad(set_to_none=True)
-        loss = path.forward(wrapped)[1]
-        loss.backward()  # type: ignore[no-untyped-call]  # untyped in torch
-        seen[f"step {step} loss"] = loss.detach().clone()
-        for name, param in model.named_parameters():
-            if param.grad is not None:
-                seen[f"step {step} grad of {name}"] = _full(param.grad)
-        optimizer.step()
-    for name, param in model.named_parameters():
-        seen[f"weight {name}"] = _full(param.detach())
-    return seen
-
-
-def _full(t: Tensor) -> Tensor:
-    """The whole tensor on this rank (FSDP keeps shards: gather them)."""
-    full = t.full_tensor() if hasattr(t, "full_tensor") else t
-    return full.detach().to("cpu", copy=True)
+        faulthandler.disable()
+        crash.close()
 
 
 #: cases a drawn run tries while shrinking a failure, at most: each is seconds on the ranks
@@ -401,6 +380,10 @@ def search(pool: RankPool, *, engines: tuple[str, ...], model: str | None, examp
     return ran[0], smallest[0] if smallest else None
 
 
+#: what :func:`single_process_cause` says of a case that passes in one process
+PASSES_ALONE = "the same case passes in one process: it goes wrong only across ranks"
+
+
 def single_process_cause(impl: Implementation, case: Case) -> str:
     """What ``check`` says of ``case`` in one process: its likely cause, or that the case
     passes there (what goes wrong then happens only across ranks)."""
@@ -423,8 +406,7 @@ def single_process_cause(impl: Implementation, case: Case) -> str:
         except Exception as exc:  # the single-process check itself refused: say so, go on
             return f"not checked in one process ({type(exc).__name__}: {exc})"
     if code == 0:
-        return ("the same case passes in one process: what goes wrong happens only across "
-                "ranks, under the engine")
+        return PASSES_ALONE
     failure = report.get("failure") or {}
     sentence = (failure.get("diagnosis") or {}).get("sentence") or failure.get("message")
     return str(sentence or "it fails in one process too")
@@ -439,6 +421,8 @@ def reproduce_line(impl: Implementation, case: Case, parallel: Parallel, world_s
              "--wrapper", parallel.engine]
     if parallel.engine == "fsdp":
         words += ["--reshard-after-forward", str(parallel.reshard_after_forward).lower()]
+    if parallel.mixed_precision:
+        words += ["--mixed-precision"]
     if parallelize is not None:
         words += ["--parallelize", parallelize]
     words += ["--case", case.to_json()]
@@ -453,8 +437,8 @@ def run(args: Any) -> int:
     from gradequiv.harness.validate import impl_kwargs
 
     impl = resolve(args.impl, adapter=args.adapter, kwargs=impl_kwargs(args.impl_kwarg))
-    engines = (("ddp", "fsdp") if args.wrapper == "both" else (args.wrapper,))
-    if args.parallelize is not None and args.wrapper == "both":
+    engines = WRAPPER_GROUPS.get(args.wrapper, (args.wrapper,))
+    if args.parallelize is not None and args.wrapper in WRAPPER_GROUPS:
         engines = ("user",)
     if "user" in engines and args.parallelize is None:
         raise InvalidArgument("--wrapper=user needs --parallelize MODULE:FUNCTION, your "
@@ -470,7 +454,8 @@ def run(args: Any) -> int:
                 raise InvalidArgument(f"--case: {refusal}")
             failed = None
             for engine in engines:
-                parallel = Parallel(engine, args.reshard_after_forward)
+                parallel = Parallel(engine, args.reshard_after_forward,
+                                    args.mixed_precision and engine == "fsdp")
                 print(f"gradequiv distributed: {impl.spec} under {parallel.describe()}, "
                       f"{args.world_size} ranks ({backend}), {case.describe()}", flush=True)
                 verdict = pool.run(case, parallel)
@@ -505,8 +490,29 @@ def _say_failure(impl: Implementation, found: Found, world_size: int,
     print(f"    {verdict.first_failure}")
     for line in verdict.failures[1:4]:
         print(f"    {line}")
-    if verdict.error is None:
-        print(f"likely cause: {single_process_cause(impl, found.case)}")
-    print(f"    reproduce: {reproduce_line(impl, found.case, found.parallel, world_size, parallelize)}")
+    said = likely_cause(impl, found)
+    if said:
+        print(f"likely cause: {said}")
+    line = reproduce_line(impl, found.case, found.parallel, world_size, parallelize)
+    print(f"    reproduce: {line}")
     print("verdict: FAIL")
     return 1
+
+
+def likely_cause(impl: Implementation, found: Found) -> str:
+    """The likely cause of a failure on the ranks ("" where no rank gave a verdict: one
+    died or hung). Where the same case fails in one process too, ``check``'s cause, which
+    has the first diverging op to go by; where it passes there, the failing rank's own
+    evidence, read as ``check`` reads a case's, and that it goes wrong only across ranks."""
+    from gradequiv.harness.reports.report import verdict_diagnosis
+
+    failing = [(rank, v) for rank, v in enumerate(found.verdict.verdicts) if not v.passed]
+    if not failing:
+        return ""
+    alone = single_process_cause(impl, found.case)
+    if alone != PASSES_ALONE:
+        return f"{alone} (the same case fails in one process too)"
+    rank, seen = failing[0]
+    sentence = verdict_diagnosis(impl, seen, torch.device("cpu")).sentence
+    return (f"{sentence} (rank {rank}; {PASSES_ALONE}, under "
+            f"{found.parallel.describe()})")

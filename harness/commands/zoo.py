@@ -259,25 +259,23 @@ def _diagnosis(impl: Any, case: Any, verdict: Any, failing: list[str]) -> tuple[
 
     from gradequiv.harness.engine.localise import localise
     from gradequiv.harness.engine.verify import verify_without_autocast_cache
-    from gradequiv.harness.reports.diagnosis import diagnose
-    from gradequiv.harness.reports.report import verdict_record
+    from gradequiv.harness.reports.report import verdict_diagnosis
 
     device = torch.device("cpu")
-    failure: dict[str, Any] = {"property": failing[0] if failing else "gradients",
-                               "message": verdict.first_failure, "flaky": False}
+    evidence: dict[str, Any] = {}
     try:
         found = localise(impl, case, device)
-        failure["localisation"] = found.describe()
-        failure["first_diverging_op"] = (found.divergence.to_dict()
-                                         if found.divergence else None)
+        evidence["localisation"] = found.describe()
+        evidence["first_diverging_op"] = (found.divergence.to_dict()
+                                          if found.divergence else None)
         if (found.divergence is None and verdict.error is None and failing
                 and case.dtype.endswith("-autocast")
                 and set(failing) <= {"gradients", "trajectory"}):
-            failure["needs_autocast_cache"] = verify_without_autocast_cache(
+            evidence["needs_autocast_cache"] = verify_without_autocast_cache(
                 impl, case, device=device).passed
     except Exception:  # the diagnosis reads what evidence there is
         pass
-    diagnosis = diagnose(failure, verdict_record(impl, verdict, device))
+    diagnosis = verdict_diagnosis(impl, verdict, device, **evidence)
     return diagnosis.cause, diagnosis.sentence
 
 

@@ -2,23 +2,35 @@
 
 One function applies it, in torchtitan's order: the recompute is already installed on the
 case's segments (``prepare``), then the engine wraps the model: DDP; FSDP2's
-``fully_shard`` on each layer, then the root, with the case's ``reshard_after_forward``;
-or the user's own ``parallelize(model, mesh) -> model``, so that a check runs their
+``fully_shard`` on each layer, then the root, with the case's ``reshard_after_forward``
+and, where drawn, its mixed-precision policy (bf16 parameters, fp32 reduction); tensor
+parallelism with DTensor (``parallelize_module``: each layer's MLP column-wise then
+row-wise, its activations DTensors, so that dropout there draws from torch's distributed
+RNG); or the user's own ``parallelize(model, mesh) -> model``, so that a check runs their
 sharding, not ours.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
-from typing import Any
+from dataclasses import asdict, dataclass, replace
+from typing import TYPE_CHECKING, Any
 
 from gradequiv.harness.errors import InvalidArgument
 
-__all__ = ["ENGINES", "Parallel", "apply_engine"]
+if TYPE_CHECKING:
+    from torch import Tensor
+
+    from gradequiv.harness.engine.path import PreparedPath
+    from gradequiv.models import Segment
+
+__all__ = ["ENGINES", "Parallel", "RankSetup", "apply_engine"]
 
 #: the engines a case may train under (``user``: the function named by ``--parallelize``)
-ENGINES = ("ddp", "fsdp", "user")
+ENGINES = ("ddp", "fsdp", "tp", "user")
+#: the engines whose ranks each train their own rows of the batch (tensor parallel ranks
+#: share theirs: every rank of a tensor-parallel group sees the same tokens)
+DATA_PARALLEL = ("ddp", "fsdp", "user")
 
 
 @dataclass(frozen=True)
@@ -30,10 +42,16 @@ class Parallel:
     #: FSDP2's ``reshard_after_forward``: True (free after forward, gather again for
     #: backward and its re-run), False (keep gathered), or a smaller group size to reshard to
     reshard_after_forward: bool | int = True
+    #: FSDP2's ``MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32)``: the forward
+    #: and its re-run compute with bf16 copies of the parameters that FSDP casts at gather
+    mixed_precision: bool = False
 
     def __post_init__(self) -> None:
         if self.engine not in ENGINES:
             raise InvalidArgument(f"engine={self.engine!r} is not one of {', '.join(ENGINES)}")
+        if self.mixed_precision and self.engine != "fsdp":
+            raise InvalidArgument(f"mixed_precision=True under engine={self.engine!r}: the "
+                                  f"policy is FSDP2's; use engine='fsdp'")
         reshard = self.reshard_after_forward
         if not isinstance(reshard, (bool, int)) or (not isinstance(reshard, bool)
                                                     and reshard < 2):
@@ -43,7 +61,10 @@ class Parallel:
 
     def describe(self) -> str:
         if self.engine == "fsdp":
-            return f"fsdp (reshard_after_forward={self.reshard_after_forward})"
+            policy = ", bf16 parameters, fp32 reduce" if self.mixed_precision else ""
+            return f"fsdp (reshard_after_forward={self.reshard_after_forward}{policy})"
+        if self.engine == "tp":
+            return "tp (DTensor: MLPs column- then row-wise)"
         return self.engine
 
     def to_dict(self) -> dict[str, Any]:
@@ -52,6 +73,11 @@ class Parallel:
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> Parallel:
         return cls(**data)
+
+    @property
+    def data_parallel(self) -> bool:
+        """Whether each rank trains its own rows of the batch with its own masks."""
+        return self.engine in DATA_PARALLEL
 
 
 def apply_engine(model: Any, layers: list[Any], parallel: Parallel, world_size: int,
@@ -70,12 +96,115 @@ def apply_engine(model: Any, layers: list[Any], parallel: Parallel, world_size: 
             raise InvalidArgument("engine='user' needs --parallelize MODULE:FUNCTION")
         wrapped = parallelize(model, mesh)
         return model if wrapped is None else wrapped
+    if parallel.engine == "tp":
+        return _tensor_parallel(model, layers, mesh)
     reshard = parallel.reshard_after_forward
     if not isinstance(reshard, bool) and world_size % reshard:
         raise InvalidArgument(f"reshard_after_forward={reshard}: must divide the world "
                               f"size {world_size}")
-    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    policy = MixedPrecisionPolicy()
+    if parallel.mixed_precision:
+        import torch
+
+        policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    for layer in layers:
+        fully_shard(layer, mesh=mesh, reshard_after_forward=reshard, mp_policy=policy)
+    return fully_shard(model, mesh=mesh, reshard_after_forward=reshard, mp_policy=policy)
+
+
+#: the tensor-parallel plan of a layer: Megatron's MLP split, the hidden activations
+#: DTensors sharded on their last dimension between the two
+_MLP_PLAN = ("mlp.fc", "mlp.proj")
+
+
+def _tensor_parallel(model: Any, layers: list[Any], mesh: Any) -> Any:
+    from torch.distributed.tensor.parallel import (
+        ColwiseParallel,
+        RowwiseParallel,
+        parallelize_module,
+    )
 
     for layer in layers:
-        fully_shard(layer, mesh=mesh, reshard_after_forward=reshard)
-    return fully_shard(model, mesh=mesh, reshard_after_forward=reshard)
+        names = {name for name, _ in layer.named_modules()}
+        if not set(_MLP_PLAN) <= names:
+            raise InvalidArgument(
+                f"engine='tp' splits each layer's {' and '.join(_MLP_PLAN)} (the reference "
+                f"transformer's MLP); {type(layer).__name__} has no such modules: pass your "
+                f"own tensor-parallel plan with --parallelize MODULE:FUNCTION")
+        parallelize_module(layer, mesh, {
+            _MLP_PLAN[0]: ColwiseParallel(use_local_output=False),
+            _MLP_PLAN[1]: RowwiseParallel()})
+    return model
+
+
+@dataclass(frozen=True)
+class RankSetup:
+    """This process's place in a distributed case: what the runner does differently on a
+    rank. It trains this rank's share of the batch, draws its own masks (``rank`` past the
+    case's seed, as data-parallel ranks do), calls the model through the engine, and
+    keeps whole tensors where the engine shards them, so that the properties compare
+    what they compare in one process."""
+
+    parallel: Parallel
+    rank: int
+    world_size: int
+    device_type: str = "cpu"
+    parallelize: Callable[[Any, Any], Any] | None = None
+
+    @property
+    def seed_offset(self) -> int:
+        """How far past the case's seed this rank's training stream starts: its own masks
+        under data parallelism; under tensor parallelism the same on every rank (the
+        replicated activations must draw alike; the sharded ones draw from torch's
+        distributed RNG, which gives each shard its own)."""
+        return self.rank if self.parallel.data_parallel else 0
+
+    def share(self, path: PreparedPath) -> PreparedPath:
+        """``path`` with this rank's rows of the batch: a contiguous share, as a sampler's
+        (all of it under tensor parallelism)."""
+        if not self.parallel.data_parallel:
+            return path
+        rows = path.targets.shape[0] if path.targets.dim() else 0
+        inputs = tuple(t.tensor_split(self.world_size)[self.rank]
+                       if t is not None and t.dim() and t.shape[0] == rows else t
+                       for t in path.inputs)
+        return replace(path, inputs=inputs,
+                       targets=path.targets.tensor_split(self.world_size)[self.rank])
+
+    def wrap(self, model: Any, segments: list[Segment]) -> Any:
+        """The model under the engine. FSDP2 shards each layer: the reference model's
+        blocks, else the segments' layers (asking the model for other segments would undo
+        the groups installed on it)."""
+        layers = list(getattr(model, "blocks", ())) or [m for segment in segments
+                                                         for m in segment.counted]
+        return apply_engine(model, layers, self.parallel, self.world_size, self.parallelize,
+                            self.device_type)
+
+    @staticmethod
+    def whole(t: Tensor) -> Tensor:
+        """The whole tensor on this rank (FSDP keeps shards: gathered, a collective every
+        rank makes at the same point)."""
+        return t.full_tensor() if hasattr(t, "full_tensor") else t
+
+    def settle(self) -> None:
+        """Wait until the step's collectives have let go of what they send: gloo's workers
+        hold a finished collective's tensors until they take the next one (an all-reduced
+        activation of a re-run, alive a moment past backward, is no leak). Each worker
+        takes one barrier after its last collective; the ranks stay in step."""
+        import torch.distributed as dist
+
+        for _ in range(2):  # gloo's two workers per process group
+            dist.barrier()
+
+    def all_agree(self, flag: bool) -> bool:
+        """``flag`` on every rank: a choice that starts collectives (another path) is made
+        by all ranks together, or the ones that did not choose it wait for ever."""
+        import torch
+        import torch.distributed as dist
+
+        device = "cpu" if self.device_type == "cpu" else torch.cuda.current_device()
+        agreed = torch.tensor([int(flag)], device=device)
+        dist.all_reduce(agreed, op=dist.ReduceOp.MIN)
+        return bool(agreed.item())

@@ -30,7 +30,7 @@ import time
 import traceback
 import warnings
 import weakref
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -42,6 +42,7 @@ from gradequiv.harness.engine.case import Case
 from gradequiv.harness.engine.global_state import GlobalState, snapshot
 from gradequiv.harness.engine.memory import ActivationCounter, RecomputeCarry, SavedBytes
 from gradequiv.harness.engine.outputs import main_output
+from gradequiv.harness.engine.parallel import RankSetup
 from gradequiv.harness.engine.path import PreparedPath, build_path
 from gradequiv.harness.engine.saves import SavedCalls
 from gradequiv.harness.implementations.adapters import Implementation
@@ -140,6 +141,7 @@ def run_path(
     start_from: PathRun | None = None,
     compiled: CompileSettings | None = None,
     steps: int | None = None,
+    ranks: RankSetup | None = None,
 ) -> PathRun:
     """Train ``case`` for its steps (or the first ``steps``); ``impl=None`` is the
     full-storage path.
@@ -153,9 +155,15 @@ def run_path(
     begins from the state the reference had there, so a fault is reported at
     the step it happens in, not smeared over the steps after it. Without it,
     that state is recorded for the other paths to start from.
+
+    With ``ranks``, this process is one rank of a distributed case: it trains its share
+    of the batch under the engine, and keeps whole gradients and weights where sharded.
     """
     run = PathRun()
     path = build_path(case, device)
+    if ranks is not None:
+        path = ranks.share(path)
+    whole = ranks.whole if ranks is not None else _as_is
     model, segments, inputs = path.model, path.segments, path.inputs
     router: Router | None = getattr(model, "router", None)
     where = "setup"
@@ -179,11 +187,14 @@ def run_path(
                 if impl is not None and counted else None
             grads_in = _SegmentInputGrads(model, [] if compiled else segments)
             call = model if compiled is None else compile_model(model, compiled)
+            if ranks is not None:
+                call = ranks.wrap(model, segments)
             params = names.parameters()
             optimizer = torch.optim.SGD([p for _, p in params], lr=LEARNING_RATE,
                                         momentum=MOMENTUM)
             model.train()
-            path.seed()  # one training stream, the same for every path
+            # one training stream, the same for every path (on a rank: the rank's own)
+            path.seed(ranks.seed_offset if ranks is not None else 0)
             if case.inference:
                 path.set_trainable(1)
                 where = "the eval and no_grad forwards"
@@ -281,6 +292,8 @@ def run_path(
                             touched |= _backward_passes(case, loss, params, inputs, uses,
                                                         _input_names(model, inputs))
                         del loss
+                if ranks is not None and made is not None and not unwatched:
+                    ranks.settle()  # the engine's collectives let go of their buffers
                 left = None if made is None or unwatched else made.held_bytes(
                     ignore=[*kept, *grads_in.grads.values(),
                             *(p.grad for _, p in params if p.grad is not None),
@@ -295,7 +308,7 @@ def run_path(
                 if step == 1:
                     run.held_bytes = step_held
                 run.steps.append(_record(model, params, inputs, kept, grads_in.grads, calls,
-                                         device, sorted(touched), left, names))
+                                         device, sorted(touched), left, names, whole))
                 run.steps[-1].held_bytes = step_held
                 run.steps[-1].saved = {n: c[0] for n, c in saves.items()}
                 run.steps[-1].held_saved = held_saved
@@ -309,7 +322,7 @@ def run_path(
                     run.steps[-1].uses = {n: list(c) for n, c in uses.uses.items()}
                 where = f"step {step} optimizer"
                 optimizer.step()
-            run.params = {n: p.detach() for n, p in params}
+            run.params = {n: whole(p.detach()) for n, p in params}
         except Exception:
             run.error, run.error_at = traceback.format_exc(), where
         except SystemExit as exc:  # the implementation asked the process to end: its fault
@@ -607,7 +620,7 @@ def _record(
     model: nn.Module, params: list[tuple[str, nn.Parameter]], inputs: tuple[Tensor | None, ...],
     kept: list[Tensor], grads_in: dict[str, Tensor], calls: dict[str, list[int]],
     device: torch.device, touched: list[str], left: int | None,
-    names: UserNames | None = None,
+    names: UserNames | None = None, whole: Callable[[Tensor], Tensor] | None = None,
 ) -> StepRecord:
     """Keep this step's observations; ``kept``: loss and main output of each micro-batch.
 
@@ -615,10 +628,12 @@ def _record(
     output their outputs joined along the batch. Gradients, loss and outputs are kept
     without a copy: ``zero_grad(set_to_none=True)``
     gives the next step fresh gradient tensors, and SGD reads gradients without
-    writing them. Buffers change in place, so they are copied.
+    writing them. Buffers change in place, so they are copied. ``whole``: a sharded
+    gradient made whole (a rank's).
     """
+    whole = whole or _as_is
     grads: dict[str, Tensor | None] = {
-        f"param:{n}": None if p.grad is None else p.grad.detach() for n, p in params
+        f"param:{n}": None if p.grad is None else whole(p.grad.detach()) for n, p in params
     }
     for label, t in zip(_input_names(model, inputs), inputs):
         if t is not None and t.requires_grad:
@@ -637,6 +652,10 @@ def _record(
         touched=touched,
         left_bytes=left,
     )
+
+
+def _as_is(t: Tensor) -> Tensor:
+    return t
 
 
 def _join(outputs: list[Tensor]) -> Tensor:

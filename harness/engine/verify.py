@@ -56,6 +56,7 @@ from gradequiv.harness.engine.compare import (
     measure_pairs,
     non_finite_reference,
 )
+from gradequiv.harness.engine.parallel import RankSetup
 from gradequiv.harness.engine.rng_story import rng_stories
 from gradequiv.harness.engine.runner import PathRun, StepRecord, run_path
 from gradequiv.harness.errors import exception_line
@@ -213,6 +214,7 @@ def verify(
     always_floor: bool = False,
     watch_memory: bool = True,
     first_step_only: bool = False,
+    ranks: RankSetup | None = None,
 ) -> Verdict:
     """Check ``impl`` on ``case`` against full storage; never raises for the impl's faults.
 
@@ -227,7 +229,8 @@ def verify(
     recompute property, which reads them, is not checked (``Verdict.memory_watched``);
     ``first_step_only``: one optimizer step (half the work), and the properties that read
     later ones (rng, trajectory) are not checked. For the cases tried while a failure of
-    another property is shrunk.
+    another property is shrunk. ``ranks``: this process is one rank of a distributed case
+    (``commands.distributed``): every path runs under its engine, on its share.
     """
     # torch's global switches as the case finds them (after the run's own, --deterministic):
     # every path starts from them, and they are put back after the case.
@@ -247,7 +250,7 @@ def verify(
             global_state.restore(clean)
             steps = 1 if first_step_only else case.steps
             full = run_path(case, None, device=device, count_memory=watch_memory,
-                            compiled=reference, steps=steps)
+                            compiled=reference, steps=steps, ranks=ranks)
             if full.error is not None:
                 limit = _regime_limit(case, full)
                 if limit:  # the model's own limit: nothing to hold against the implementation
@@ -266,7 +269,7 @@ def verify(
                     f"{nothing}; this is a fault of the model, not of the implementation")
             global_state.restore(clean)
             recompute = run_path(case, impl, device=device, count_memory=watch_memory,
-                                 start_from=full, steps=steps,
+                                 start_from=full, steps=steps, ranks=ranks,
                                  compiled=impl.compiled.settings if impl.compiled else None)
             floor: PathRun | None = None
             quick: list[PropertyResult] | None = None  # the checks against a zero floor
@@ -277,13 +280,15 @@ def verify(
                 quick = _check_all(case, full, full, recompute, tolerance,
                                    selective=impl.selective)
                 held = all(p.passed is not False for p in quick)
+                if ranks is not None:  # the floor path's collectives: every rank or none
+                    held = ranks.all_agree(held)
                 if always_floor or not held and (
                         not floor_when_needed or _floor_matters(quick, tolerance)):
                     quick = None
             if quick is None:
                 global_state.restore(clean)
                 floor = run_path(case, None, device=device, start_from=full, steps=steps,
-                                 compiled=FLOOR if impl.compiled else None)
+                                 compiled=FLOOR if impl.compiled else None, ranks=ranks)
     finally:
         stuck = global_state.restore(clean)  # what could not be put back for the next case
     verdict.floor_measured = floor is not None

@@ -16,7 +16,7 @@ from importlib.metadata import PackageNotFoundError, version
 from typing import TYPE_CHECKING, Any
 
 from gradequiv.harness.options import CheckOptions
-from gradequiv.harness.reports.diagnosis import diagnose, distinct_faults
+from gradequiv.harness.reports.diagnosis import Diagnosis, diagnose, distinct_faults
 from gradequiv.harness.reports.text import bounded_texts
 
 if TYPE_CHECKING:  # torch is imported on use: a supervisor writes reports without it
@@ -171,6 +171,17 @@ def verdict_record(impl: Implementation, verdict: Verdict, device: torch.device,
             c.name: _finite_number(c.rel_error) for p in verdict.properties
             if p.name == "gradients" for c in p.checks}
     return bounded_texts(record, first=("error",))
+
+
+def verdict_diagnosis(impl: Implementation, verdict: Verdict, device: torch.device,
+                      **evidence: Any) -> Diagnosis:
+    """The likely cause of a failed ``verdict``, read as a minimal failure of its first
+    failing property would be; ``evidence``: what else was found (``localisation``,
+    ``first_diverging_op``, ``needs_autocast_cache``)."""
+    failing = [p.name for p in verdict.properties if p.passed is False]
+    failure: dict[str, Any] = {"property": failing[0] if failing else "gradients",
+                               "message": verdict.first_failure, "flaky": False, **evidence}
+    return diagnose(failure, verdict_record(impl, verdict, device))
 
 
 def _finite_number(value: float) -> float | str:
