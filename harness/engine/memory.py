@@ -7,7 +7,8 @@ saves nothing through the hooks at all. So the count looks at where storages
 come from instead: a ``TorchDispatchMode`` notes every storage an aten op creates during
 the forward, and after the forward the storages still alive are what is held
 until backward, whoever holds them (autograd's saved tensors, a checkpoint's
-saved inputs, the caller's own references).
+saved inputs, the caller's own references). A copy of a generator's state is no
+activation, whoever made it (``generator_state``): its size is the generator's.
 
 No garbage collection is run, because none is needed: autograd nodes,
 torch.utils.checkpoint (reentrant and not, selective too) and
@@ -29,6 +30,7 @@ the end of each re-run: for the verdict), ``SavedBytes`` (a compiled graph) and
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import weakref
 from collections.abc import Callable, Iterable, Iterator
 from types import TracebackType
@@ -44,7 +46,7 @@ if TYPE_CHECKING:
     from typing import Self
 
 __all__ = ["ActivationCounter", "AllocatorWatch", "BackwardPeak", "RecomputeCarry",
-           "SavedBytes", "tensor_storage_bytes"]
+           "SavedBytes", "generator_state", "tensor_storage_bytes"]
 
 # Per op, by ``id``: the op itself (kept alive, so its id is never another's), which of its
 # returns can be a new storage (True: all; False: none, as views, in-place and out= ops
@@ -262,6 +264,28 @@ def _alive_bytes(keys: Iterable[int], skip: set[int]) -> int:
     return total
 
 
+#: The size of a CPU generator's state (``torch.get_rng_state()``), in bytes.
+_GENERATOR_STATE_BYTES = torch.default_generator.get_state().numel()
+
+
+def generator_state(storage: torch.UntypedStorage) -> bool:
+    """Whether ``storage`` holds a CPU generator's state: a copy of ``torch.get_rng_state()``
+    that a checkpoint or an RNG tracker (Megatron's named generators) keeps from one step to
+    the next. Its size is the generator's whatever the batch, the sequence or the depth: no
+    activation, so never counted as one. Told by its size, then by torch accepting its bytes
+    as a state (a Mersenne Twister seeded, its position in range), which no other tensor's
+    bytes of that size pass by chance."""
+    if storage.nbytes() != _GENERATOR_STATE_BYTES or storage.device.type != "cpu":
+        return False
+    data = (ctypes.c_ubyte * _GENERATOR_STATE_BYTES).from_address(storage.data_ptr())
+    state = torch.frombuffer(data, dtype=torch.uint8)  # the bytes themselves, no copy
+    try:
+        torch.Generator().set_state(state)
+    except RuntimeError:
+        return False
+    return True
+
+
 class ActivationCounter(_ModeScope):
     """Context manager around a forward pass; afterwards, how many bytes it left alive.
 
@@ -296,7 +320,7 @@ class ActivationCounter(_ModeScope):
         for key in self._seen:
             if key not in skip:
                 storage = _new_with_weak_ptr(key)
-                if storage is not None:
+                if storage is not None and not generator_state(storage):
                     yield key, storage
 
     @contextlib.contextmanager
