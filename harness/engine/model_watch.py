@@ -6,9 +6,12 @@ the re-run reads. :class:`ModelWatch` watches each segment's own state at the st
 of each forward and at the start of each re-run (its buffers and plain attributes, Python's
 and NumPy's global generators and generators it holds), the arguments it is given (a tensor
 changed in place, a list or dict emptied), and random ops that draw from a
-``torch.Generator`` of the model's own, which no checkpoint restores. What it finds is said
-in lines (:meth:`ModelWatch.findings`), each beginning ``model state:``, ``model input:``,
-``model random:`` or ``model generator:``, the words ``reports/diagnosis.py`` reads them by.
+``torch.Generator`` of the model's own, which no checkpoint restores. Beside them, named
+generator states held outside the default generator (an RNG-state tracker's, as Megatron
+keeps for dropout in tensor-parallel regions: :class:`NamedStates`), at each forward's start
+and each re-run's. What it finds is said in lines (:meth:`ModelWatch.findings`), each
+beginning ``model state:``, ``model input:``, ``model random:``, ``model generator:`` or
+``named rng state:``, the words ``reports/diagnosis.py`` reads them by.
 The localisation (``engine/localise.py``) drives it from its hooks and dispatch mode.
 """
 
@@ -16,7 +19,9 @@ from __future__ import annotations
 
 import random
 import sys
-from collections.abc import Callable
+import types
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from typing import Any, Protocol
 
 import torch
@@ -24,7 +29,10 @@ from torch import Tensor, nn
 from torch.utils._python_dispatch import _disable_current_modes
 from torch.utils._pytree import tree_flatten, tree_leaves
 
-__all__ = ["ModelWatch", "Phase", "first_tensor", "op_tensors", "same_values", "tensor_key"]
+from gradequiv.harness.engine.rng_story import draws_between
+
+__all__ = ["ModelWatch", "NamedStates", "Phase", "first_tensor", "op_tensors", "same_values",
+           "tensor_key"]
 
 
 class Phase(Protocol):
@@ -55,6 +63,7 @@ class ModelWatch:
         #: of each tensor among them
         self.arguments: list[tuple[int, list[tuple[Tensor, int]]]] = []
         self.broken = False  # a step of the watch failed: it says nothing
+        self.named = NamedStates()
         # the per-op steps, made soft once (not on every op)
         self._soft_before = self._soft(self._before)
         self._soft_after = self._soft(self._after)
@@ -76,8 +85,10 @@ class ModelWatch:
         """Hooks that see the segment's state before its own pre-hooks and after its hooks."""
         prefix = self.names.get(id(module), segment)
 
+        self.named.watch(module, prefix)
+
         def start(module: nn.Module, args: Any, kwargs: Any) -> None:
-            state = _state(module, prefix, self.names)
+            state = {**_state(module, prefix, self.names), **self.named.snapshot()}
             (self.reruns if tracker.backward else self.starts).setdefault(segment, []).append(
                 state)
             self.running.append(segment)
@@ -96,7 +107,8 @@ class ModelWatch:
                 self.running.pop()
             if tracker.backward or not self.arguments:
                 return
-            self.ends.setdefault(segment, []).append(_state(module, prefix, self.names))
+            self.ends.setdefault(segment, []).append(
+                {**_state(module, prefix, self.names), **self.named.snapshot()})
             count, versions = self.arguments.pop()
             for i, (tensor, version) in enumerate(versions):
                 if tensor._version != version:
@@ -177,6 +189,8 @@ class ModelWatch:
     def _findings(self) -> tuple[str, ...]:
         lines = [*self.generators.values(), *self.inputs.values()]
         unseen = []  # said last: what a re-run seen started from tells more
+        named: dict[str, int] = {}  # a named state -> its line (the first segment's)
+        also: dict[str, list[str]] = {}  # ... and the other segments whose re-runs did so
         for segment, starts in self.starts.items():  # model order
             reruns, ends = self.reruns.get(segment, []), self.ends.get(segment, [])
             if not reruns and ends:  # a re-run past the hooks (a patched forward), if any
@@ -185,15 +199,29 @@ class ModelWatch:
                 continue
             rerun = reruns[0]
             for key, (kind, value) in rerun.items():
+                if kind == "default rng":  # said beside a named state, never alone
+                    continue
                 before = [s[key] for s in starts if key in s]
                 if not before or any(_same(b, (kind, value)) for b in before):
                     continue
                 changed = any(key in e and not _same(s[key], e[key])
                               for s, e in zip(starts, ends) if key in s)
-                line = _finding(segment, key, kind, before[-1][1], value, changed,
-                                self.writers.get(key, []), self.read)
+                if kind == "named rng" and key in named:  # one line per state
+                    also[key].append(segment)
+                    continue
+                if kind == "named rng":
+                    line = _named_finding(segment, key, [b[1] for b in before], value,
+                                          changed, rerun, starts)
+                    if line:
+                        named[key], also[key] = len(lines), []
+                else:
+                    line = _finding(segment, key, kind, before[-1][1], value, changed,
+                                    self.writers.get(key, []), self.read)
                 if line:
                     lines.append(line)
+        for key, segments in also.items():
+            if segments:
+                lines[named[key]] += f" (so did the re-runs of {', '.join(segments)})"
         said = list(dict.fromkeys(lines + unseen))
         if len(said) > _MODEL_LINES:  # the same change in every layer says no more
             said[_MODEL_LINES:] = [f"and {len(said) - _MODEL_LINES} more such changes"]
@@ -205,7 +233,8 @@ class ModelWatch:
         re-run starts from where the forward left things, or later."""
         lines = []
         for key, (kind, value) in end.items():
-            if key not in start or _same(start[key], (kind, value)):
+            if key not in start or kind in ("named rng", "default rng") \
+                    or _same(start[key], (kind, value)):
                 continue
             if kind == "global random":
                 lines.append(f"model random: {segment}'s forward drew from {key} (its state "
@@ -290,9 +319,190 @@ def _same(a: tuple[str, Any], b: tuple[str, Any]) -> bool:
         return False
     if a[0] in ("buffer", "tensor"):
         return same_values(a[1][1], b[1][1])
+    if a[0] in ("named rng", "default rng"):
+        return bool(torch.equal(a[1], b[1]))
     if a[0] == "generator":
         return True
     return bool(a[1] == b[1])
+
+
+#: What :class:`NamedStates` snapshots torch's default generators as.
+_DEFAULT = "torch's default generator"
+
+
+def _named_finding(segment: str, key: str, before: list[Tensor], after: Tensor,
+                   changed: bool, rerun: dict[str, tuple[str, Any]],
+                   starts: list[dict[str, tuple[str, Any]]]) -> str:
+    """The line for a named generator state (``key``) the segment's forward moved and its
+    re-run started from other than the forward did: how far past the forward's it was, and
+    whether the default generator was put back for the re-run (a checkpoint that restores
+    that one only, as torch's does)."""
+    if not changed:
+        return ""
+    ahead = [n for n in (draws_between(b, after) for b in before if _cpu_state(b))
+             if n is not None]
+    how = f"advanced {min(ahead)} draws past the forward's" if ahead else \
+        "other than the forward's"
+    default = rerun.get(_DEFAULT)
+    put_back = default is not None and any(
+        _DEFAULT in s and _same(s[_DEFAULT], default) for s in starts)
+    default_said = ("while torch's default generator was put back as the forward found it"
+                    if put_back else "and torch's default generator was not put back either")
+    return (f"named rng state: the re-run of {segment} started from {key} {how} (the "
+            f"forward moved it, and nothing set it back), {default_said}")
+
+
+def _cpu_state(state: Tensor) -> bool:
+    return state.numel() == _GENERATOR_STATE_BYTES
+
+
+#: The size of a CPU generator's state, in bytes; a CUDA generator's (seed and offset) is 16.
+_GENERATOR_STATE_BYTES = torch.default_generator.get_state().numel()
+_STATE_SIZES = (_GENERATOR_STATE_BYTES, 16)
+#: The most entries of a dict looked into for generator states.
+_DICT_ENTRIES = 64
+#: Modules whose state is torch's or the harness's: never a user's named generators.
+_NOT_USERS = ("torch", "gradequiv", "numpy", "typing", "builtins")
+
+
+@dataclass(frozen=True)
+class _Holder:
+    """Where a generator state lives: ``root``'s attributes ``path`` (a dict of states by
+    name where ``keyed``), said as ``label``."""
+
+    label: str
+    root: Any
+    path: tuple[str, ...]
+    keyed: bool
+
+    def states(self) -> Iterator[tuple[str, Any]]:
+        value = self.root
+        for name in self.path:
+            value = getattr(value, name, None)
+        if not self.keyed:
+            if _rng_leaf(value):
+                yield self.label, value
+            return
+        if type(value) is dict:
+            for name, state in list(value.items())[:_DICT_ENTRIES]:
+                if _rng_leaf(state):
+                    yield f"{self.label}[{name!r}]", state
+
+
+class NamedStates:
+    """Generator states a segment's code keeps outside torch's default generator, by
+    qualified name (``module.object.attribute['key']``): torch.Generator objects and CPU or
+    CUDA generator states (byte tensors) held in the segment's module attributes, in the
+    module-level objects of the Python modules its classes are written in (and of the
+    modules those import functions or classes from: Megatron's model code imports
+    ``get_cuda_rng_tracker``), and in the attributes and dicts of such objects, two levels
+    deep. Found once, at the first snapshot; read again at each (a tracker's
+    ``set_states`` puts in another dict)."""
+
+    def __init__(self) -> None:
+        self.roots: list[tuple[str, Any]] = []
+        self.holders: list[_Holder] | None = None
+
+    def watch(self, module: nn.Module, prefix: str) -> None:
+        """Look for states where ``module`` (a segment) and its code keep them."""
+        for path, sub in module.named_modules(prefix=prefix):
+            self.roots.append((path, sub))
+            for cls in type(sub).__mro__:
+                code = sys.modules.get(cls.__module__)
+                if code is not None and _users(code.__name__):
+                    self.roots.append((code.__name__, code))
+        self.holders = None
+
+    def snapshot(self) -> dict[str, tuple[str, Any]]:
+        """Each named state now (a copy), and the default generator's beside them; nothing
+        where no named state was found."""
+        if self.holders is None:
+            try:
+                self.holders = _holders(self.roots)
+            except Exception:  # an object that will not be read: no named states, the rest
+                self.holders = []  # of the watch goes on
+        if not self.holders:
+            return {}
+        found: dict[str, tuple[str, Any]] = {}
+        with torch._C.DisableTorchFunction(), _disable_current_modes():
+            for holder in self.holders:
+                for label, state in holder.states():
+                    found[label] = ("named rng", state.get_state()
+                                    if isinstance(state, torch.Generator)
+                                    else state.detach().clone())
+            if found:  # the CPU's and, where in use, each CUDA device's
+                cuda = torch.cuda.default_generators if torch.cuda.is_initialized() else ()
+                found[_DEFAULT] = ("default rng", torch.cat(
+                    [torch.default_generator.get_state(), *(g.get_state() for g in cuda)]))
+        return found
+
+
+def _users(name: str) -> bool:
+    """Whether the Python module ``name`` is a user's: not torch's, the harness's, nor the
+    standard library's."""
+    top = name.partition(".")[0]
+    return top not in _NOT_USERS and top not in sys.stdlib_module_names
+
+
+def _holders(roots: list[tuple[str, Any]]) -> list[_Holder]:
+    """Where generator states live, looked for from each root (a segment's module, a Python
+    module its code is written in, and one step on: the modules that one imports from)."""
+    seen: set[int] = set()
+    modules = list({id(root): root for _, root in roots
+                    if isinstance(root, types.ModuleType)}.values())
+    for code in list(modules):
+        for value in list(vars(code).values()):
+            origin = getattr(value, "__module__", None) \
+                if isinstance(value, type | types.FunctionType) else None
+            if isinstance(origin, str) and origin != code.__name__ and _users(origin) \
+                    and origin in sys.modules:
+                modules.append(sys.modules[origin])
+    holders: list[_Holder] = []
+    for label, root in [*roots, *((m.__name__, m) for m in modules)]:
+        if id(root) in seen:
+            continue
+        seen.add(id(root))
+        for name, value in _members(root):
+            # a module's own generators and tensors are watched as its state (``_state``)
+            if not isinstance(root, nn.Module) or type(value) is dict:
+                holders += _held(f"{label}.{name}", root, (name,), value)
+            if _plain_object(value):
+                for attr, inner in list(vars(value).items())[:_DICT_ENTRIES]:
+                    holders += _held(f"{label}.{name}.{attr}", root, (name, attr), inner)
+    return holders
+
+
+def _members(root: Any) -> list[tuple[str, Any]]:
+    """A Python module's globals or a module's own attributes (not its machinery)."""
+    if isinstance(root, nn.Module):
+        return [(k, v) for k, v in vars(root).items() if k not in _MODULE_KEYS]
+    return [(k, v) for k, v in vars(root).items() if not k.startswith("__")]
+
+
+def _held(label: str, root: Any, path: tuple[str, ...], value: Any) -> list[_Holder]:
+    if _rng_leaf(value):
+        return [_Holder(label, root, path, False)]
+    if type(value) is dict and any(  # a plain one: a mapping of its own may run code
+            _rng_leaf(v) for v in list(value.values())[:_DICT_ENTRIES]):
+        return [_Holder(label, root, path, True)]
+    return []
+
+
+def _plain_object(value: Any) -> bool:
+    """An object of the user's whose attributes may hold states (a tracker): no module,
+    class, function, tensor or container."""
+    return _users(type(value).__module__) and not isinstance(value, (
+        type, types.ModuleType, types.FunctionType, types.MethodType, nn.Module, Tensor,
+        torch.Generator)) and hasattr(value, "__dict__")
+
+
+def _rng_leaf(value: Any) -> bool:
+    """A generator of the user's or a generator's state (a byte tensor of a CPU or CUDA
+    generator state's size)."""
+    if isinstance(value, torch.Generator):
+        return not _default(value)
+    return isinstance(value, Tensor) and value.dtype == torch.uint8 and value.dim() == 1 \
+        and value.numel() in _STATE_SIZES
 
 
 def _finding(segment: str, key: str, kind: str, before: Any, after: Any, changed: bool,

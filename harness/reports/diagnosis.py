@@ -75,6 +75,7 @@ def diagnose(failure: dict[str, Any], record: dict[str, Any] | None) -> Diagnosi
     if failure.get("localisation"):
         evidence.append(failure["localisation"])
     cause, sentence = _cause(failure, record, failing)
+    sentence = _named_generator(failure, cause) or sentence
     cause, sentence = _model_state(failure, record, cause) or (cause, sentence)
     also = _further_faults(cause, failure, record, failing)
     faults = [{"cause": c, "sentence": s} for c, s in [(cause, sentence), *also]]
@@ -357,6 +358,43 @@ _FIXES = {
         "copy before changing it in place), or make the change outside the checkpointed "
         "module"),
 }
+
+
+#: The localisation's line for a named generator state a re-run started from other than its
+#: forward did (``engine/model_watch.py``, ``_named_finding``).
+_NAMED_STATE = re.compile(
+    r"the re-run of (?P<segment>\S+) started from (?P<state>.+) (?P<how>advanced \d+ draws "
+    r"past the forward's|other than the forward's) \(the forward moved it, and nothing set it "
+    r"back\), (?P<default>while|and) torch's default generator")
+
+
+def _named_generator(failure: dict[str, Any], cause: str) -> str | None:
+    """The rng-not-restored sentence told by the generator state the re-run drew from, where
+    the localisation saw a named one (an RNG tracker's, as Megatron keeps for dropout in
+    tensor-parallel regions) start the re-run other than it started the forward: saving and
+    restoring the default generator alone, as torch's checkpoint does, is not enough."""
+    if cause != "rng-not-restored":
+        return None
+    op = failure.get("first_diverging_op") or {}
+    found = [m for m in map(_NAMED_STATE.match, _model_lines(failure, "named rng state: ")) if m]
+    if not found:
+        return None
+    match = next((m for m in found if m["segment"] == op.get("segment")), found[0])
+    state, how = match["state"], match["how"]
+    drew = ""
+    if op.get("random"):
+        drew = (f", so {op['op']} in {op.get('module') or op['segment']} draws other random "
+                f"numbers than in the forward ({op['differing']:.0%} of the draws differ)")
+    if match["default"] == "while":
+        return (f"the recompute does not restore the RNG state of {state}, a named generator "
+                f"state: it puts torch's default generator back for the re-run of "
+                f"{match['segment']}, but that re-run drew under the named state {how}{drew}; "
+                f"save and restore every named state with the default generator's, as "
+                f"Megatron's checkpoint does with its RNG tracker's states")
+    return (f"the recompute does not restore the RNG state: neither torch's default generator "
+            f"nor {state}, a named generator state, is put back for the re-run of "
+            f"{match['segment']}, which drew under the named state {how}{drew}; save and "
+            f"restore both, as Megatron's checkpoint does with its RNG tracker's states")
 
 
 def _model_lines(failure: dict[str, Any], prefix: str) -> list[str]:
