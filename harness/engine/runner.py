@@ -255,6 +255,8 @@ def run_path(
                                 # against.
                                 with uses if uses is not None else contextlib.nullcontext():
                                     outputs, loss = path.forward(call, batches[k])
+                                if ranks is not None and measure:
+                                    ranks.settle()
                                 held = made.held_bytes_by_device(ignore=[outputs, loss]) \
                                     if measure else None
                                 if measure:
