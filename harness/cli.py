@@ -212,6 +212,9 @@ def build_parser() -> argparse.ArgumentParser:
                            "--case (drawn cases draw it)")
     dist.add_argument("--timeout", type=_tolerance("--timeout"), default=300.0, metavar="SECONDS",
                       help="kill the ranks after this long (default %(default)s)")
+    dist.add_argument("--report-dir", type=Path, default=None, metavar="DIR",
+                      help="write DIR/report.json and report.md, as check does (render "
+                           "junit.xml and report.html with gradequiv report DIR)")
     zoo = commands.add_parser(
         "zoo", help="every architecture of a library through its own checkpointing: a table")
     zoo.add_argument("--library", required=True, choices=("transformers", "timm", "diffusers"),
@@ -238,7 +241,7 @@ def build_parser() -> argparse.ArgumentParser:
     report = commands.add_parser(
         "report", help="render a report folder as Markdown, HTML or JUnit XML")
     report.add_argument("folder", type=Path, metavar="DIR",
-                        help="a --report-dir of check, mutants and/or profile")
+                        help="a --report-dir of check, distributed, mutants and/or profile")
     report.add_argument("--format", choices=(*RENDERED, "all"), default="all",
                         help="md (CI job summary), html (self-contained page with plots), "
                              "junit (XML); all: every format (default)")

@@ -149,3 +149,35 @@ def test_nccl_needs_one_gpu_per_rank() -> None:
         pytest.skip("this machine has the GPUs: the NCCL path runs in ci/gpu-check.sh")
     with pytest.raises(InvalidArgument, match="needs 2 GPUs for NCCL"):
         verify_distributed(resolve("torch"), CASE, device="cuda")
+
+
+def test_a_run_writes_report_json_as_check_does_with_each_ranks_verdict(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """One author: report.json validates against check's schema, its verdict decided the same
+    way, each case with every rank's verdict and memory; report.md beside it; a gate reads it."""
+    from gradequiv.harness.reports.bundle import load_bundle
+
+    passing, failing = tmp_path / "pass", tmp_path / "fail"
+    assert main(["distributed", "--impl", "torch", "--case", CASE.name, "--wrapper", "fsdp",
+                 "--report-dir", str(passing)]) == 0
+    assert "held for backward (recompute of full storage, bytes): rank 0 " in \
+        capsys.readouterr().out
+    report = load_bundle(passing).report  # validated against the schema
+    assert report["command"] == "distributed" and report["verdict"] == "pass"
+    [record] = report["cases"]
+    assert record["engine"] == {"engine": "fsdp", "reshard_after_forward": True,
+                                "mixed_precision": False, "world_size": 2}
+    assert [r["rank"] for r in record["ranks"]] == [0, 1]
+    assert all(r["held_bytes"]["recompute"] < r["held_bytes"]["full"] for r in record["ranks"])
+    assert main(["report", str(passing), "--fail-on-verdict"]) == 0
+
+    assert main(["distributed", "--impl", "torch", "--impl-kwarg", "preserve_rng_state=false",
+                 "--case", CASE.name, "--wrapper", "ddp", "--report-dir", str(failing)]) == 1
+    report = load_bundle(failing).report
+    assert report["verdict"] == "fail" and report["complete"] is True
+    assert report["failure"]["diagnosis"]["sentence"].startswith(
+        "the recompute does not restore the RNG state")
+    assert report["failure"]["reproduce"].startswith("gradequiv distributed --impl torch")
+    assert (failing / "report.md").read_text().startswith("## gradequiv: FAIL")
+    capsys.readouterr()
+    assert main(["report", str(failing), "--fail-on-verdict"]) == 1

@@ -338,10 +338,12 @@ class _Failed(Exception):
 
 
 def search(pool: RankPool, *, engines: tuple[str, ...], model: str | None, examples: int,
-           seed: int, say: Callable[[str], None]) -> tuple[int, Found | None]:
+           seed: int, say: Callable[[str], None],
+           seen: Callable[[Found, bool], None] | None = None) -> tuple[int, Found | None]:
     """Draw ``examples`` cases (:func:`~gradequiv.properties.strategies.distributed_cases`)
     and run each on ``pool``'s ranks; shrink a failure (at most :data:`SHRINK_TRIES` more
-    cases). How many cases ran, and the smallest failure found (None: every case passed)."""
+    cases). ``seen`` is told of each case run, and whether it was tried while shrinking.
+    How many cases ran, and the smallest failure found (None: every case passed)."""
     from hypothesis import HealthCheck, Phase, Verbosity, given, reject, settings
     from hypothesis import seed as seeded
 
@@ -363,6 +365,8 @@ def search(pool: RankPool, *, engines: tuple[str, ...], model: str | None, examp
         if case_refusal(case, pool.world_size) or shrinking and ran[1] > SHRINK_TRIES:
             reject()
         verdict = pool.run(case, parallel)
+        if seen is not None:
+            seen(Found(case, parallel, verdict), shrinking)
         ran[0] += 1
         ran[1] += shrinking or not verdict.passed
         said = "pass" if verdict.passed else f"FAIL: {verdict.first_failure}"
@@ -384,9 +388,9 @@ def search(pool: RankPool, *, engines: tuple[str, ...], model: str | None, examp
 PASSES_ALONE = "the same case passes in one process: it goes wrong only across ranks"
 
 
-def single_process_cause(impl: Implementation, case: Case) -> str:
-    """What ``check`` says of ``case`` in one process: its likely cause, or that the case
-    passes there (what goes wrong then happens only across ranks)."""
+def single_process(impl: Implementation, case: Case) -> tuple[str, dict[str, Any] | None]:
+    """What ``check`` says of ``case`` in one process: its likely cause and its diagnosis,
+    or :data:`PASSES_ALONE` and None (what goes wrong then happens only across ranks)."""
     import contextlib
     import io
     import json
@@ -404,12 +408,13 @@ def single_process_cause(impl: Implementation, case: Case) -> str:
                 code = check.run(options)
             report = json.loads((Path(folder) / "report.json").read_text(encoding="utf-8"))
         except Exception as exc:  # the single-process check itself refused: say so, go on
-            return f"not checked in one process ({type(exc).__name__}: {exc})"
+            return f"not checked in one process ({type(exc).__name__}: {exc})", None
     if code == 0:
-        return PASSES_ALONE
+        return PASSES_ALONE, None
     failure = report.get("failure") or {}
-    sentence = (failure.get("diagnosis") or {}).get("sentence") or failure.get("message")
-    return str(sentence or "it fails in one process too")
+    diagnosis = failure.get("diagnosis")
+    sentence = (diagnosis or {}).get("sentence") or failure.get("message")
+    return str(sentence or "it fails in one process too"), diagnosis
 
 
 def reproduce_line(impl: Implementation, case: Case, parallel: Parallel, world_size: int,
@@ -432,6 +437,8 @@ def reproduce_line(impl: Implementation, case: Case, parallel: Parallel, world_s
 def run(args: Any) -> int:
     """The distributed command: drawn cases (or the one ``--case``) on N ranks under each
     engine; exit 1 when any case's ranks disagree with full storage."""
+    import contextlib
+
     from gradequiv.harness.engine.spread import load_case
     from gradequiv.harness.implementations.resolve import resolve
     from gradequiv.harness.validate import impl_kwargs
@@ -444,75 +451,185 @@ def run(args: Any) -> int:
         raise InvalidArgument("--wrapper=user needs --parallelize MODULE:FUNCTION, your "
                               "function (model, mesh) -> model")
     _check_pool(args.world_size, args.device, args.parallelize)
+    case = load_case(args.case) if args.case is not None else None
+    if case is not None and case_refusal(case, args.world_size):
+        raise InvalidArgument(f"--case: {case_refusal(case, args.world_size)}")
     backend = "NCCL" if args.device == "cuda" else "gloo"
-    with RankPool(impl, world_size=args.world_size, device=args.device,
-                  timeout_s=args.timeout, parallelize=args.parallelize) as pool:
-        if args.case is not None:
-            case = load_case(args.case)
-            refusal = case_refusal(case, args.world_size)
-            if refusal:
-                raise InvalidArgument(f"--case: {refusal}")
-            failed = None
-            for engine in engines:
-                parallel = Parallel(engine, args.reshard_after_forward,
-                                    args.mixed_precision and engine == "fsdp")
-                print(f"gradequiv distributed: {impl.spec} under {parallel.describe()}, "
-                      f"{args.world_size} ranks ({backend}), {case.describe()}", flush=True)
-                verdict = pool.run(case, parallel)
-                if verdict.passed:
-                    print(f"  pass: {verdict.compared} tensors equal on every rank "
-                          f"({verdict.seconds:.1f} s)", flush=True)
-                else:
-                    print(f"  FAIL: {verdict.first_failure}", flush=True)
-                    for line in verdict.failures[1:5]:
-                        print(f"        {line}")
-                    failed = failed or Found(case, parallel, verdict)
-            if failed is None:
-                return 0
-            return _say_failure(impl, failed, args.world_size, args.parallelize)
-        print(f"gradequiv distributed: {impl.spec} on {args.world_size} ranks ({backend}), "
-              f"{args.examples} drawn cases under {', '.join(engines)}, seed {args.seed}",
-              flush=True)
-        ran, found = search(pool, engines=engines, model=args.model, examples=args.examples,
-                            seed=args.seed, say=lambda line: print(line, flush=True))
-    if found is None:
-        print(f"{ran} case(s) verified on every rank\nverdict: pass")
-        return 0
-    print(f"{ran} case(s) run, the last ones shrinking a failure")
-    return _say_failure(impl, found, args.world_size, args.parallelize)
+    with contextlib.ExitStack() as stack:
+        report = RunReport.claim(stack, args, impl) if args.report_dir is not None else None
+        pool = stack.enter_context(RankPool(impl, world_size=args.world_size,
+                                            device=args.device, timeout_s=args.timeout,
+                                            parallelize=args.parallelize))
+        seen = report.add if report is not None else None
+        if case is not None:
+            ran, found = _run_one(pool, case, engines, args, backend, seen)
+        else:
+            print(f"gradequiv distributed: {impl.spec} on {args.world_size} ranks ({backend}), "
+                  f"{args.examples} drawn cases under {', '.join(engines)}, seed {args.seed}",
+                  flush=True)
+            ran, found = search(pool, engines=engines, model=args.model,
+                                examples=args.examples, seed=args.seed,
+                                say=lambda line: print(line, flush=True), seen=seen)
+        stack.pop_all().close()  # the ranks end here, the report folder stays locked
+        diagnosis = None
+        if found is None:
+            print(f"{ran} case(s) verified on every rank\nverdict: pass")
+        else:
+            if case is None:
+                print(f"{ran} case(s) run, the last ones shrinking a failure")
+            diagnosis = _say_failure(impl, found, args.world_size, args.parallelize)
+        if report is not None:
+            report.finish(found, diagnosis)
+    return 0 if found is None else 1
+
+
+def _run_one(pool: RankPool, case: Case, engines: tuple[str, ...], args: Any, backend: str,
+             seen: Callable[[Found, bool], None] | None) -> tuple[int, Found | None]:
+    """``--case``: the one case under each engine; the first failure."""
+    failed = None
+    for engine in engines:
+        parallel = Parallel(engine, args.reshard_after_forward,
+                            args.mixed_precision and engine == "fsdp")
+        print(f"gradequiv distributed: {pool.impl.spec} under {parallel.describe()}, "
+              f"{args.world_size} ranks ({backend}), {case.describe()}", flush=True)
+        verdict = pool.run(case, parallel)
+        if seen is not None:
+            seen(Found(case, parallel, verdict), False)
+        if verdict.passed:
+            print(f"  pass: {verdict.compared} tensors equal on every rank; {_held(verdict)} "
+                  f"({verdict.seconds:.1f} s)", flush=True)
+        else:
+            print(f"  FAIL: {verdict.first_failure}", flush=True)
+            for line in verdict.failures[1:5]:
+                print(f"        {line}")
+            failed = failed or Found(case, parallel, verdict)
+    return len(engines), failed
+
+
+def _held(verdict: DistributedVerdict) -> str:
+    """The bytes each rank held for backward, recompute against full storage."""
+    said = []
+    for rank, seen in enumerate(verdict.verdicts):
+        held = seen.held_bytes
+        if held.get("recompute") is not None and held.get("full") is not None:
+            said.append(f"rank {rank} {held['recompute']} of {held['full']}")
+    return ("held for backward (recompute of full storage, bytes): " + ", ".join(said)
+            if said else "no memory watched")
 
 
 def _say_failure(impl: Implementation, found: Found, world_size: int,
-                 parallelize: str | None) -> int:
+                 parallelize: str | None) -> dict[str, Any] | None:
+    """Print the minimal failure, its likely cause and the line that replays it; the
+    cause's diagnosis, for the report."""
     verdict = found.verdict
     print(f"minimal failure: {found.case.describe()}, under {found.parallel.describe()} on "
           f"{world_size} ranks")
     print(f"    {verdict.first_failure}")
     for line in verdict.failures[1:4]:
         print(f"    {line}")
-    said = likely_cause(impl, found)
-    if said:
-        print(f"likely cause: {said}")
+    diagnosis = likely_cause(impl, found)
+    if diagnosis is not None:
+        print(f"likely cause: {diagnosis['sentence']}")
     line = reproduce_line(impl, found.case, found.parallel, world_size, parallelize)
     print(f"    reproduce: {line}")
     print("verdict: FAIL")
-    return 1
+    return diagnosis
 
 
-def likely_cause(impl: Implementation, found: Found) -> str:
-    """The likely cause of a failure on the ranks ("" where no rank gave a verdict: one
-    died or hung). Where the same case fails in one process too, ``check``'s cause, which
-    has the first diverging op to go by; where it passes there, the failing rank's own
-    evidence, read as ``check`` reads a case's, and that it goes wrong only across ranks."""
+def likely_cause(impl: Implementation, found: Found) -> dict[str, Any] | None:
+    """The likely cause of a failure on the ranks, a diagnosis as report.json keeps one
+    (None where no rank gave a verdict: one died or hung). Where the same case fails in one
+    process too, ``check``'s, which has the first diverging op to go by; where it passes
+    there, the failing rank's own evidence read as ``check`` reads a case's, and that it
+    goes wrong only across ranks."""
     from gradequiv.harness.reports.report import verdict_diagnosis
 
     failing = [(rank, v) for rank, v in enumerate(found.verdict.verdicts) if not v.passed]
     if not failing:
-        return ""
-    alone = single_process_cause(impl, found.case)
-    if alone != PASSES_ALONE:
-        return f"{alone} (the same case fails in one process too)"
+        return None
     rank, seen = failing[0]
-    sentence = verdict_diagnosis(impl, seen, torch.device("cpu")).sentence
-    return (f"{sentence} (rank {rank}; {PASSES_ALONE}, under "
-            f"{found.parallel.describe()})")
+    diagnosis = verdict_diagnosis(impl, seen, torch.device("cpu")).to_dict()
+    alone, theirs = single_process(impl, found.case)
+    if alone != PASSES_ALONE:
+        diagnosis = theirs or diagnosis
+        diagnosis["sentence"] = f"{alone} (the same case fails in one process too)"
+    else:
+        diagnosis["sentence"] += (f" (rank {rank}; {PASSES_ALONE}, under "
+                                  f"{found.parallel.describe()})")
+    return diagnosis
+
+
+class RunReport:
+    """report.json and report.md of a distributed run in ``--report-dir``, by the one author
+    (:mod:`~gradequiv.harness.reports.report`): rewritten whole after each case, so a run
+    that is killed leaves the cases that finished, marked incomplete."""
+
+    def __init__(self, folder: Path, impl: Implementation, args: Any) -> None:
+        from gradequiv.harness.options import check_options
+        from gradequiv.harness.reports.files import run_identity
+
+        self.folder, self.impl, self.args = folder, impl, args
+        self.options = check_options(impl=impl.spec, adapter=impl.adapter, seed=args.seed,
+                                     examples=args.examples, profile="ci", report_dir=folder)
+        self.identity = run_identity()
+        self.records: list[dict[str, Any]] = []
+
+    @classmethod
+    def claim(cls, stack: Any, args: Any, impl: Implementation) -> RunReport:
+        """The folder made this run's (locked, an earlier run's report files removed)."""
+        from gradequiv.harness.reports.files import claim_report_dir, lock_report_dir
+
+        report = cls(args.report_dir, impl, args)
+        stack.enter_context(lock_report_dir(args.report_dir, report.identity))
+        claim_report_dir(args.report_dir)
+        return report
+
+    def add(self, found: Found, shrinking: bool) -> None:
+        from gradequiv.harness.reports.report import SHRINK_KEY, ranks_record
+
+        verdict = found.verdict
+        record = ranks_record(
+            self.impl, verdict.verdicts, case=found.case, passed=verdict.passed,
+            first_failure=verdict.first_failure, error=verdict.error,
+            seconds=verdict.seconds, engine={**found.parallel.to_dict(),
+                                             "world_size": self.args.world_size},
+            device=torch.device(self.args.device), reproduce=self._reproduce(found))
+        if shrinking:
+            record[SHRINK_KEY] = True
+        self.records.append(record)
+        self._write(None, None, complete=False)
+
+    def finish(self, found: Found | None, diagnosis: dict[str, Any] | None) -> None:
+        from gradequiv.harness.commands.render import write_markdown
+
+        self._write(found, diagnosis, complete=True)
+        write_markdown(self.folder)
+
+    def _reproduce(self, found: Found) -> str:
+        return reproduce_line(self.impl, found.case, found.parallel, self.args.world_size,
+                              self.args.parallelize)
+
+    def _write(self, found: Found | None, diagnosis: dict[str, Any] | None, *,
+               complete: bool) -> None:
+        from gradequiv.harness.reports.files import REPORT_FILE, write_json_atomic
+        from gradequiv.harness.reports.report import assemble_check_report
+
+        failures = []
+        if found is not None:
+            failing = next((v for v in found.verdict.verdicts if not v.passed), None)
+            prop = next((p.name for p in failing.properties if p.passed is False),
+                        "gradients") if failing is not None else "process"
+            failure: dict[str, Any] = {
+                "test": "distributed", "property": prop,
+                "message": found.verdict.first_failure, "flaky": False,
+                "case": found.case.to_dict(), "description": found.case.describe(),
+                "reproduce": self._reproduce(found)}
+            if diagnosis is not None:
+                failure["diagnosis"] = diagnosis
+            failures.append(failure)
+        outcome = "passed" if found is None else "failed"
+        report = assemble_check_report(
+            options=self.options, impl=self.impl, device=torch.device(self.args.device),
+            records=self.records, outcomes={"distributed": outcome} if complete else {},
+            failures=failures, complete=complete, run=self.identity, command="distributed")
+        write_json_atomic(self.folder / REPORT_FILE, report)

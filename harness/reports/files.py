@@ -230,7 +230,8 @@ def _is_gradequiv_report(path: Path) -> bool:
     except (OSError, ValueError, RecursionError):
         return False
     return (isinstance(report, dict) and report.get("tool") == "gradequiv"
-            and report.get("command") == "check" and isinstance(report.get("run"), dict))
+            and report.get("command") in ("check", "distributed")
+            and isinstance(report.get("run"), dict))
 
 
 def _read_manifest(folder: Path) -> dict[str, Any] | None:

@@ -184,6 +184,32 @@ def verdict_diagnosis(impl: Implementation, verdict: Verdict, device: torch.devi
     return diagnose(failure, verdict_record(impl, verdict, device))
 
 
+def ranks_record(impl: Implementation, verdicts: list[Verdict], *, case: Case, passed: bool,
+                 first_failure: str, error: str | None, seconds: float,
+                 engine: dict[str, Any], device: torch.device, reproduce: str
+                 ) -> dict[str, Any]:
+    """The record of one case trained on several ranks (``gradequiv distributed``): the
+    properties of its first failing rank (rank 0's where all pass), each rank's verdict and
+    memory beside them, and the engine. ``verdicts`` is empty where no rank gave one (a
+    rank died or hung: ``error`` says so)."""
+    shown = next((v for v in verdicts if not v.passed), verdicts[0] if verdicts else None)
+    if shown is None:
+        record: dict[str, Any] = {
+            "name": case.name, "description": case.describe(), "case": case.to_dict(),
+            "reproduce": reproduce, "error": error, "error_at": "the ranks", "warnings": [],
+            "seconds": {}, "held_bytes": {}, "properties": []}
+    else:
+        record = verdict_record(impl, shown, device, reproduce=reproduce)
+    record["verdict"] = "pass" if passed else "fail"
+    record["first_failure"] = first_failure or None
+    record["seconds"] = {**record["seconds"], "ranks": seconds}
+    record["engine"] = engine
+    record["ranks"] = [{"rank": rank, "verdict": "pass" if v.passed else "fail",
+                        "first_failure": v.first_failure or None,
+                        "held_bytes": v.held_bytes} for rank, v in enumerate(verdicts)]
+    return bounded_texts(record, first=("error",))
+
+
 def _finite_number(value: float) -> float | str:
     return value if math.isfinite(value) else str(value)
 
@@ -204,8 +230,10 @@ def assemble_check_report(
     failures: list[dict[str, Any]],
     complete: bool,
     run: dict[str, Any] | None = None,
+    command: str = "check",
 ) -> dict[str, Any]:
     """report.json of a check run, whole: the one place its verdict and failure are decided.
+    ``command``: the command whose run it is (``distributed`` writes its own the same way).
 
     ``records`` are the distinct cases verified, ``outcomes`` each property
     test's outcome, ``failures`` the minimal failure of each failing test (the
@@ -226,7 +254,7 @@ def assemble_check_report(
     return bounded_report({
         "schema_version": SCHEMA_VERSION,
         "tool": "gradequiv",
-        "command": "check",
+        "command": command,
         "verdict": "fail" if verdict_fails else "pass",
         "complete": complete,
         "run": run,
