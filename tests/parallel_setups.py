@@ -16,4 +16,12 @@ def fsdp_per_block(model: Any, mesh: Any) -> Any:
     return fully_shard(model, mesh=mesh, reshard_after_forward=False)
 
 
+def ddp_wrapped(model: Any, mesh: Any) -> Any:
+    """A set-up that returns a wrapper, as ``DistributedDataParallel(model)`` is one: the
+    harness calls what it returns."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    return DistributedDataParallel(model)
+
+
 NOT_A_FUNCTION = 3

@@ -75,6 +75,19 @@ def test_a_users_model_and_parallel_set_up_are_what_the_ranks_train(
     assert main(["distributed", "--impl", "torch", "--examples", "2", "--parallelize",
                  "parallel_setups:fsdp_per_block"]) == 0
     assert ", user: pass" in capsys.readouterr().out
+    # both: their model under their set-up, handed their own module (not the harness's
+    # wrapper), here one that returns a DDP wrapper the ranks then call
+    for setup in ("fsdp_per_block", "ddp_wrapped"):
+        assert main(["distributed", "--impl", "torch", "--examples", "2", "--model",
+                     "user_models:residual_stack", "--parallelize",
+                     f"parallel_setups:{setup}"]) == 0
+        assert "2 case(s) verified on every rank" in capsys.readouterr().out
+    assert main(["distributed", "--impl", "torch", "--impl-kwarg", "preserve_rng_state=false",
+                 "--examples", "4", "--model", "user_models:residual_stack", "--parallelize",
+                 "parallel_setups:ddp_wrapped"]) == 1
+    out = capsys.readouterr().out
+    assert "likely cause: the recompute does not restore the RNG state" in out
+    assert "--wrapper user --parallelize parallel_setups:ddp_wrapped --case" in out
     assert main(["distributed", "--impl", "torch", "--parallelize",
                  "parallel_setups:NOT_A_FUNCTION"]) == 2
     assert "--parallelize='parallel_setups:NOT_A_FUNCTION' is a int, not a function" in \

@@ -94,8 +94,7 @@ def apply_engine(model: Any, layers: list[Any], parallel: Parallel, world_size: 
     if parallel.engine == "user":
         if parallelize is None:
             raise InvalidArgument("engine='user' needs --parallelize MODULE:FUNCTION")
-        wrapped = parallelize(model, mesh)
-        return model if wrapped is None else wrapped
+        return _users_set_up(model, parallelize, mesh)
     if parallel.engine == "tp":
         return _tensor_parallel(model, layers, mesh)
     reshard = parallel.reshard_after_forward
@@ -112,6 +111,22 @@ def apply_engine(model: Any, layers: list[Any], parallel: Parallel, world_size: 
     for layer in layers:
         fully_shard(layer, mesh=mesh, reshard_after_forward=reshard, mp_policy=policy)
     return fully_shard(model, mesh=mesh, reshard_after_forward=reshard, mp_policy=policy)
+
+
+def _users_set_up(model: Any, parallelize: Callable[[Any, Any], Any], mesh: Any) -> Any:
+    """The user's function applied to their own model (a ``--model`` case's, not the
+    harness's wrapper around it); what it returns is what the wrapper calls from then on
+    (a DDP-style wrapper), or the model itself where it works in place (FSDP2, DTensor)."""
+    from gradequiv.models.segments import user_view
+
+    own = user_view(model)
+    wrapped = parallelize(own, mesh)
+    if wrapped is None or wrapped is own:
+        return model
+    if own is model:
+        return wrapped
+    model.inner = wrapped  # an ExternalModel: its forward calls the user's set-up
+    return model
 
 
 #: the tensor-parallel plan of a layer: Megatron's MLP split, the hidden activations
