@@ -194,3 +194,29 @@ def test_a_run_writes_report_json_as_check_does_with_each_ranks_verdict(
     assert (failing / "report.md").read_text().startswith("## gradequiv: FAIL")
     capsys.readouterr()
     assert main(["report", str(failing), "--fail-on-verdict"]) == 1
+
+
+def test_a_case_the_engine_cannot_train_is_no_verdict_on_the_implementation(
+        ranks: RankPool) -> None:
+    """Full storage itself fails under tensor parallelism (in-place ops on the sharded MLP's
+    output, a DTensor's local view): not checked, said as the model's fault under the
+    engine, never a failure of the recompute; drawn cases leave such set-ups out."""
+    from dataclasses import replace
+
+    from hypothesis import given, settings
+
+    from gradequiv.properties.strategies import distributed_cases
+
+    in_place = replace(CASE, model=replace(CASE.model, inplace_ops=True))
+    verdict = ranks.run(in_place, Parallel("tp"))
+    assert not verdict.passed and verdict.verdicts == [] and verdict.error is None
+    assert verdict.first_failure.startswith("not checked: the full-storage path of case")
+    assert "a fault of the model under this engine, not of the implementation" in \
+        verdict.first_failure
+
+    @settings(max_examples=60, database=None, deadline=None)
+    @given(distributed_cases(engines=("tp",)))
+    def drawn(case_and_engine: tuple) -> None:
+        assert not case_and_engine[0].model.inplace_ops
+
+    drawn()

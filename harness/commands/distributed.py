@@ -34,7 +34,7 @@ from torch.multiprocessing.spawn import start_processes
 
 from gradequiv.harness.engine.case import Case
 from gradequiv.harness.engine.parallel import Parallel, RankSetup
-from gradequiv.harness.engine.verify import Verdict, verify
+from gradequiv.harness.engine.verify import ReferenceFailed, Verdict, verify
 from gradequiv.harness.errors import InvalidArgument, exception_line
 from gradequiv.harness.implementations.adapters import Implementation
 
@@ -59,6 +59,9 @@ class DistributedVerdict:
     error: str | None = None  # a rank's traceback, or the timeout
     seconds: float = 0.0
     verdicts: list[Verdict] = field(default_factory=list)  # by rank
+    #: why no verdict could be given: full storage itself fails under the engine (the
+    #: model's or the engine's fault, never the implementation's)
+    unrunnable: str | None = None
 
     def take(self, verdicts: list[Verdict]) -> None:
         """The ranks' verdicts: failing ranks first by rank, the properties' own words."""
@@ -69,6 +72,8 @@ class DistributedVerdict:
 
     @property
     def first_failure(self) -> str:
+        if self.unrunnable is not None:
+            return f"not checked: {self.unrunnable}"
         return exception_line(self.error) if self.error else (
             self.failures[0] if self.failures else "")
 
@@ -212,8 +217,13 @@ class RankPool:
             queue.put((number, spec, case.to_json(), parallel.to_dict()))
         results = [self._out / f"{number}-rank{r}.pt" for r in range(self.world_size)]
         errors = [self._out / f"{number}-rank{r}.err" for r in range(self.world_size)]
+        refused = [self._out / f"{number}-rank{r}.ref" for r in range(self.world_size)]
         deadline = time.monotonic() + self.timeout_s
         while not all(p.exists() for p in results):
+            said = next((r for r in refused if r.exists()), None)
+            if said is not None:  # the model fails under the engine without recompute
+                verdict.unrunnable = said.read_text(errors="replace")
+                break
             if any(e.exists() for e in errors):
                 time.sleep(0.2)  # the other ranks' errors, if they come at once
                 verdict.error = "\n".join(f"{e.stem.split('-')[1]}: {e.read_text()}"
@@ -234,7 +244,7 @@ class RankPool:
                                  f"signal or a crash in the implementation?){said}")
                 break
             time.sleep(0.02)
-        if verdict.error is not None:
+        if verdict.error is not None or verdict.unrunnable is not None:
             self._stop()  # its process group may be mid-collective: a fresh one next case
         else:
             verdict.take([_load_verdict(p) for p in results])
@@ -303,7 +313,15 @@ def _rank_main(rank: int, world_size: int, folder: str, device_type: str, tasks:
                 case = Case.from_json(case_json)
                 setup = RankSetup(Parallel.from_dict(parallel), rank, world_size, device.type,
                                   user)
-                verdict = verify(impl, case, device=device, ranks=setup)
+                try:
+                    verdict = verify(impl, case, device=device, ranks=setup)
+                except ReferenceFailed as exc:
+                    where = str(exc).splitlines()[0].split("; this is")[0]
+                    (out / f"{number}-rank{rank}.ref").write_text(
+                        f"{where} under {setup.parallel.describe()}: "
+                        f"{exception_line(str(exc))}; a fault of the model under this "
+                        f"engine, not of the implementation")
+                    continue
                 with (out / f".{number}-rank{rank}.pt").open("wb") as file:
                     pickle.dump(verdict, file)
                 os.replace(out / f".{number}-rank{rank}.pt", out / f"{number}-rank{rank}.pt")
@@ -365,6 +383,9 @@ def search(pool: RankPool, *, engines: tuple[str, ...], model: str | None, examp
         if case_refusal(case, pool.world_size) or shrinking and ran[1] > SHRINK_TRIES:
             reject()
         verdict = pool.run(case, parallel)
+        if verdict.unrunnable is not None:  # no verdict: a case the engine cannot train
+            say(f"[-] {case.describe()}, {parallel.describe()}: {verdict.first_failure}")
+            reject()
         if seen is not None:
             seen(Found(case, parallel, verdict), shrinking)
         ran[0] += 1
