@@ -12,6 +12,7 @@ the same :class:`Router` (:meth:`Router.run`) without setting anything on them.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -55,26 +56,122 @@ class WrongReturn(TypeError):
 
 
 def return_signature(value: Any) -> Any:
-    """What a segment call returned, without its values: structure, shapes and dtypes."""
+    """What a segment call returned, without its values: structure, shapes and dtypes.
+
+    Named fields keep their names: a dict's keys, a dataclass's fields (a ``ModelOutput``
+    like one) and a named tuple's, as ``("fields", type name, ((name, signature), ...))``.
+    """
     if isinstance(value, torch.Tensor):
         return ("tensor", tuple(value.shape), value.dtype)
+    if isinstance(value, tuple) and hasattr(type(value), "_fields"):  # a named tuple
+        return ("fields", type(value).__name__,
+                tuple((k, return_signature(v)) for k, v in zip(value._fields, value)))
     if isinstance(value, (tuple, list)):
         return (type(value).__name__, tuple(return_signature(v) for v in value))
     if isinstance(value, dict):
         return ("dict", tuple((k, return_signature(v)) for k, v in value.items()))
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        return ("fields", type(value).__name__, tuple(
+            (f.name, return_signature(getattr(value, f.name))) for f in dataclasses.fields(value)))
     return (type(value).__name__,)
 
 
 def describe_signature(signature: Any) -> str:
-    """``bfloat16[2, 8, 16]``, ``tuple(float32[2, 8], NoneType)``, ``dict(x: float32[4])``."""
+    """``bfloat16[2, 8, 16]``, ``tuple(float32[2, 8], None)``, ``dict(x: float32[4])``,
+    ``LayerOutput(hidden_states: float32[2, 8, 16], attentions: None)``."""
     kind = signature[0]
     if kind == "tensor":
         return f"{str(signature[2]).removeprefix('torch.')}{list(signature[1])}"
-    if kind == "dict":
-        return f"dict({', '.join(f'{k}: {describe_signature(v)}' for k, v in signature[1])})"
+    if kind in ("dict", "fields"):
+        fields = ", ".join(f"{k}: {describe_signature(v)}" for k, v in signature[-1])
+        return f"{signature[1] if kind == 'fields' else 'dict'}({fields})"
     if len(signature) == 2:
         return f"{kind}({', '.join(describe_signature(v) for v in signature[1])})"
-    return str(kind)
+    return "None" if kind == "NoneType" else str(kind)
+
+
+def _container(signature: Any) -> str:
+    """What kind of thing a signature is, in words: ``a dict``, ``a tuple of 2``."""
+    kind = signature[0]
+    if kind == "fields":
+        return f"a {signature[1]}"
+    if kind == "dict":
+        return "a dict"
+    if kind != "tensor" and len(signature) == 2:
+        return f"a {kind} of {len(signature[1])}"
+    return describe_signature(signature)
+
+
+_NONE = ("NoneType",)
+
+
+def structure_change(got: Any, expected: Any, where: str = "") -> str | None:
+    """Where the structure of ``got`` (a :func:`return_signature`) first parts from
+    ``expected``'s, in words naming the field or item ("its field 'attentions' (None) is
+    missing"); None where both have the same structure (shapes and dtypes aside)."""
+    of = f" of {where}" if where else ""
+    if _kind(got) != _kind(expected):
+        if _leaf(got) or _leaf(expected):  # a tensor, None or another value
+            return (f"{f'its {where}' if where else 'the output'} is "
+                    f"{describe_signature(got)} where the segment returns "
+                    f"{describe_signature(expected)}")
+        dropped = _none_fields_dropped(got, expected)
+        return (f"{dropped}{_container(got)} came back{of} where the segment returns "
+                f"{_container(expected)}")
+    if got[0] in ("dict", "fields"):
+        mine, theirs = dict(got[-1]), dict(expected[-1])
+        missing = [f"{name!r} ({describe_signature(sig)})" for name, sig in theirs.items()
+                   if name not in mine]
+        if missing:
+            listed = " and ".join(", ".join(missing).rsplit(", ", 1))
+            return (f"its field {listed}{of} is missing" if len(missing) == 1
+                    else f"its fields {listed}{of} are missing")
+        for name in mine:
+            if name not in theirs:
+                return f"a field {name!r}{of} was added"
+        return next((found for name, sig in theirs.items() if (found := structure_change(
+            mine[name], sig, f"field {name!r}{of}"))), None)
+    if len(expected) != 2 or got[0] == "tensor":
+        return None
+    mine, theirs = got[1], expected[1]
+    for i, sig in enumerate(theirs):
+        if i < len(mine) and _kind(mine[i]) == _kind(sig):
+            found = structure_change(mine[i], sig, f"item {i}{of}")
+            if found:
+                return found
+        elif i < len(mine) and mine[i:] == theirs[i + 1:]:
+            return (f"its item {i}{of} ({describe_signature(sig)}) was dropped and the "
+                    f"{len(mine) - i} after it moved up one place")
+        elif i >= len(mine):
+            return f"its item {i}{of} ({describe_signature(sig)}) is missing"
+        else:
+            return structure_change(mine[i], sig, f"item {i}{of}")
+    return f"{len(mine) - len(theirs)} items were added{of}" if len(mine) > len(theirs) else None
+
+
+def _none_fields_dropped(got: Any, expected: Any) -> str:
+    """"its None fields 'a' and 'b' were dropped: " where ``got`` is a plain sequence of
+    ``expected``'s named fields but those that are None; "" otherwise."""
+    if expected[0] not in ("dict", "fields") or got[0] in ("dict", "fields", "tensor") \
+            or len(got) != 2:
+        return ""
+    nones = [name for name, sig in expected[-1] if sig == _NONE]
+    if not nones or tuple(got[1]) != tuple(sig for _, sig in expected[-1] if sig != _NONE):
+        return ""
+    names = " and ".join(", ".join(repr(n) for n in nones).rsplit(", ", 1))
+    if len(nones) == 1:
+        return f"its None field {names} was dropped: "
+    return f"its None fields {names} were dropped: "
+
+
+def _kind(signature: Any) -> Any:
+    """A signature's kind alone: a tensor whatever its shape and dtype, None or another
+    value, a container of a type (a dataclass or named tuple by its name)."""
+    return signature[:2] if signature[0] == "fields" else signature[:1]
+
+
+def _leaf(signature: Any) -> bool:
+    return signature[0] == "tensor" or len(signature) == 1
 
 
 class Router:
@@ -138,9 +235,17 @@ class Router:
         if call is not None and self.expected is not None and index < len(self.expected) \
                 and signature != self.expected[index]:
             name = self._names.get(id(segment), type(segment).__name__)
+            expected = self.expected[index]
+            changed = structure_change(signature, expected)
+            if changed:
+                raise WrongReturn(
+                    f"the output structure of {name} changed: {changed}; the implementation "
+                    f"returned {describe_signature(signature)} where the segment returns "
+                    f"{describe_signature(expected)} (full storage's same call); return what "
+                    f"function(*args, **kwargs) returns, None fields included")
             raise WrongReturn(
                 f"the implementation returned {describe_signature(signature)} for {name} "
-                f"where the segment returns {describe_signature(self.expected[index])} "
+                f"where the segment returns {describe_signature(expected)} "
                 f"(full storage's same call); return what function(*args, **kwargs) returns")
         return returned
 

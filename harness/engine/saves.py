@@ -22,7 +22,8 @@ from typing import Any
 import torch
 from torch import nn
 from torch.autograd.graph import Node
-from torch.utils._pytree import tree_leaves
+
+from gradequiv.harness.engine.outputs import tensor_leaves
 
 __all__ = ["SavedCalls"]
 
@@ -60,8 +61,7 @@ def _end(starts: list[int], counter: list[int], _module: nn.Module, _args: Any,
 def saved_since(output: Any, since: int) -> bool:
     """Whether a node created at sequence number ``since`` or later, reached from the
     tensors in ``output``, saved a tensor for backward."""
-    todo: list[Node | None] = [t.grad_fn for t in tree_leaves(output)
-                               if isinstance(t, torch.Tensor)]
+    todo: list[Node | None] = [t.grad_fn for t in tensor_leaves(output)]
     seen: set[int] = set()
     while todo:
         node = todo.pop()

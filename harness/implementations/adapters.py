@@ -12,6 +12,7 @@ Turning a SPEC into one of these is :mod:`.resolve`'s job.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import inspect
 from collections.abc import Callable
@@ -164,6 +165,8 @@ def _holds_tensor(value: Any) -> bool:
         return any(_holds_tensor(v) for v in value)
     if isinstance(value, dict):
         return any(_holds_tensor(v) for v in value.values())
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):  # a ModelOutput's kind
+        return any(_holds_tensor(getattr(value, f.name)) for f in dataclasses.fields(value))
     return False
 
 
