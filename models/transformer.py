@@ -51,6 +51,16 @@ Four more knobs give segments what real layers are full of, each off by default:
 * ``outside_params``: parameters a segment reads but does not own: a projection held by
   the model that every layer's attention adds to its output projection (reached through a
   closure) and a gate per layer owned by the model that scales its MLP output.
+
+One more gives segments the outputs library layers return, off (``plain``) by default:
+
+* ``segment_outputs``: each layer (and group) returns its hidden state in a structure with
+  ``None`` fields, which the model unpacks as library models do: a tuple ``(x, None)`` or
+  ``(x, None, aux)`` read by position (``tuple-none``, as transformers' decoder layers return
+  ``(hidden_states, attn_weights)``), a dict ``{"hidden_states": x, "attentions": None,
+  "router_z_loss": aux}`` read by key (``dict``), a ``ModelOutput``-like dataclass
+  (``dataclass``) or a named tuple (``namedtuple``) read by attribute. A checkpoint must
+  hand back that structure, ``None`` fields included.
 """
 
 from __future__ import annotations
@@ -59,12 +69,13 @@ import contextlib
 import functools
 import math
 from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass
-from typing import Any, Literal, cast
+from dataclasses import asdict, dataclass, replace
+from typing import Any, Literal, NamedTuple, cast
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
+from torch.utils._pytree import register_dataclass
 
 from gradequiv.harness.errors import InvalidArgument
 from gradequiv.models.granularity import (
@@ -292,6 +303,7 @@ class Block(nn.Module):
         # Set on the model's first block under ``frozen_first_layer``: called under no_grad.
         self.grad_off = False
         self.inplace = config.inplace_ops
+        self.outputs = config.segment_outputs
 
     def forward(
         self,
@@ -301,13 +313,14 @@ class Block(nn.Module):
         *,
         causal: bool = False,
         residual_scale: float = 1.0,
-    ) -> Tensor | tuple[Tensor, Tensor]:
+    ) -> Any:
         hidden, embedding = _unnest(x, x0)
-        return self._layer(hidden, embedding, key_padding_mask, causal=causal,
-                           residual_scale=residual_scale)
+        x, aux = self._layer(hidden, embedding, key_padding_mask, causal=causal,
+                             residual_scale=residual_scale)
+        return pack_outputs(self.outputs, x, aux)
 
     def _layer(self, x: Tensor, x0: Tensor, key_padding_mask: Tensor | None, *, causal: bool,
-               residual_scale: float) -> Tensor | tuple[Tensor, Tensor]:
+               residual_scale: float) -> tuple[Tensor, Tensor | None]:
         if self.inplace:
             x = torch.mul(self.x0_gate, x0).add_(x)
         else:
@@ -323,7 +336,74 @@ class Block(nn.Module):
             x = self.norm_1(x + residual_scale * self.drop_path(a))
             m = self.router(self.mlp, x)
             x = self.norm_2(x + residual_scale * self.drop_path(m))
-        return x if aux is None else (x, aux)
+        return x, aux
+
+
+#: What a segment (a layer, a group of layers) returns its hidden state in, ``plain`` first:
+#: the tensor (``(x, aux)`` with an aux loss), or a structure with ``None`` fields.
+SEGMENT_OUTPUTS = ("plain", "tuple-none", "dict", "dataclass", "namedtuple")
+
+
+@dataclass
+class LayerOutput:
+    """A layer's outputs as a ``ModelOutput``-like dataclass: fields not computed are None."""
+
+    hidden_states: Tensor
+    attentions: Tensor | None = None
+    router_z_loss: Tensor | None = None
+
+
+# As transformers registers its ModelOutput classes: torch's pytree walks into it.
+register_dataclass(LayerOutput)
+
+
+class LayerOutputTuple(NamedTuple):
+    """A layer's outputs as a named tuple, with the same fields."""
+
+    hidden_states: Tensor
+    attentions: Tensor | None
+    router_z_loss: Tensor | None
+
+
+def pack_outputs(kind: str, x: Tensor, aux: Tensor | None) -> Any:
+    """A segment's hidden state ``x`` and aux loss (None without one) as ``kind`` returns
+    them (``SEGMENT_OUTPUTS``); the attention weights are never computed: None."""
+    if kind == "tuple-none":
+        return (x, None) if aux is None else (x, None, aux)
+    if kind == "dict":
+        return {"hidden_states": x, "attentions": None, "router_z_loss": aux}
+    if kind == "dataclass":
+        return LayerOutput(x, None, aux)
+    if kind == "namedtuple":
+        return LayerOutputTuple(x, None, aux)
+    return x if aux is None else (x, aux)
+
+
+def unpack_outputs(kind: str, out: Any) -> tuple[Tensor, Tensor | None]:
+    """The hidden state and aux loss out of what a segment returned, read as library models
+    read their layers' outputs: by position (``layer_outputs[0]``), key or attribute."""
+    if kind == "tuple-none":
+        return out[0], out[2] if len(out) > 2 else None
+    if kind == "dict":
+        return out["hidden_states"], out["router_z_loss"]
+    if kind in ("dataclass", "namedtuple"):
+        return out.hidden_states, out.router_z_loss
+    if isinstance(out, tuple):
+        return out[0], out[1]
+    return out, None
+
+
+def _with_hidden(out: Any, x: Tensor) -> Any:
+    """``out`` (any of ``SEGMENT_OUTPUTS``) with its hidden state replaced by ``x``."""
+    if isinstance(out, dict):
+        return {**out, "hidden_states": x}
+    if isinstance(out, LayerOutput):
+        return replace(out, hidden_states=x)
+    if isinstance(out, LayerOutputTuple):
+        return out._replace(hidden_states=x)
+    if isinstance(out, tuple):
+        return (x, *out[1:])
+    return x
 
 
 def _z_loss(router_logits: Tensor) -> Tensor:
@@ -357,11 +437,13 @@ def _run_layer(
     causal: bool,
     residual_scale: float,
     nested: bool = False,
+    outputs: str = "plain",
 ) -> tuple[Tensor, Tensor | None]:
     """One layer (or group) through ``call``, ``x0`` by position or keyword (``nested``: both
     streams nested in a dict of a list and a tuple, the mask by keyword), with autocast
     disabled for a block marked ``autocast_off`` and grad mode off for one marked
-    ``grad_off``; its new residual stream and its aux loss (None without one)."""
+    ``grad_off``; its new residual stream and its aux loss (None without one), read out of
+    what it returned as ``outputs`` (``SEGMENT_OUTPUTS``) says."""
     precision: contextlib.AbstractContextManager[Any] = contextlib.nullcontext()
     if getattr(layer, "autocast_off", False):
         precision = torch.autocast(x.device.type, enabled=False)
@@ -379,9 +461,7 @@ def _run_layer(
         else:
             out = call(layer, x, x0, key_padding_mask, causal=causal,
                        residual_scale=residual_scale)
-    if isinstance(out, tuple):
-        return out[0], out[1]
-    return out, None
+    return unpack_outputs(outputs, out)
 
 
 def _add(total: Tensor | None, aux: Tensor | None) -> Tensor | None:
@@ -394,15 +474,17 @@ class LayerGroup(nn.Module):
     """Consecutive layers run as one segment (kept out of the model's state_dict).
 
     It calls its layers as the model would (``x0`` by keyword under
-    ``x0_keyword``) and, under ``aux_loss``, returns their summed aux with ``x``.
+    ``x0_keyword``) and, under ``aux_loss``, returns their summed aux with ``x``, in the
+    structure its layers return (``segment_outputs``).
     """
 
     def __init__(self, blocks: list[Block], *, x0_keyword: bool = False,
-                 nested: bool = False) -> None:
+                 nested: bool = False, outputs: str = "plain") -> None:
         super().__init__()
         self.blocks = nn.ModuleList(blocks)
         self.x0_keyword = x0_keyword
         self.nested = nested
+        self.outputs = outputs
 
     def forward(
         self,
@@ -412,15 +494,16 @@ class LayerGroup(nn.Module):
         *,
         causal: bool = False,
         residual_scale: float = 1.0,
-    ) -> Tensor | tuple[Tensor, Tensor]:
+    ) -> Any:
         x, x0 = _unnest(x, x0)
         aux_total: Tensor | None = None
         for block in self.blocks:
             x, aux = _run_layer(_plain_call, block, x, x0, key_padding_mask,
                                 x0_keyword=self.x0_keyword, causal=causal,
-                                residual_scale=residual_scale, nested=self.nested)
+                                residual_scale=residual_scale, nested=self.nested,
+                                outputs=self.outputs)
             aux_total = _add(aux_total, aux)
-        return x if aux_total is None else (x, aux_total)
+        return pack_outputs(self.outputs, x, aux_total)
 
 
 #: The element-wise dropout sites, by config field, with the name a report gives each.
@@ -468,6 +551,8 @@ class TransformerConfig:
     inplace_ops: bool = False  # in-place dropout, ReLU, score scaling and masking, add_
     value_hooks: bool = False  # LoRA, input-rescaling and steering hooks change values
     outside_params: bool = False  # layers read a projection and gates the model owns
+    # what each layer returns: the tensor, or a structure with None fields (SEGMENT_OUTPUTS)
+    segment_outputs: Literal["plain", "tuple-none", "dict", "dataclass", "namedtuple"] = "plain"
 
     def __post_init__(self) -> None:
         for name in ("n_layer", "n_embd", "n_head", "ffn_mult", "vocab_size", "max_seq_len",
@@ -494,6 +579,7 @@ class TransformerConfig:
         _check_choice("norm", self.norm, ("layernorm", "rmsnorm"))
         _check_choice("norm_position", self.norm_position, ("pre", "post"))
         _check_choice("activation", self.activation, ("gelu", "relu", "rrelu", "swiglu"))
+        _check_choice("segment_outputs", self.segment_outputs, SEGMENT_OUTPUTS)
 
     @property
     def has_randomness(self) -> bool:
@@ -550,9 +636,8 @@ def _rescale_input(_module: nn.Module, args: tuple[Any, ...]) -> tuple[Any, ...]
 def _steer(block: nn.Module, _args: tuple[Any, ...], out: Any) -> Any:
     """Add the layer's steering vector to its hidden state (beside an aux loss, if any)."""
     steering = cast("Tensor", block.steering)
-    if isinstance(out, tuple):
-        return (out[0] + steering, *out[1:])
-    return out + steering
+    x, _ = unpack_outputs(cast("Block", block).outputs, out)
+    return _with_hidden(out, x + steering)
 
 
 def _add_value_hooks(block: Block, config: TransformerConfig) -> None:
@@ -626,7 +711,8 @@ class Transformer(RoutedModel):
         """Layers ``run`` as one segment, which forward then runs in place of its members."""
         members = blocks[run.start:run.stop]
         group = LayerGroup(members, x0_keyword=self.config.x0_keyword,
-                           nested=self.config.nested_inputs)
+                           nested=self.config.nested_inputs,
+                           outputs=self.config.segment_outputs)
         object.__setattr__(group, "router", self.router)
         self._groups.append(group)
         return Segment(f"blocks.{run.start}-{run.stop - 1}", group, tuple(members))
@@ -651,7 +737,8 @@ class Transformer(RoutedModel):
                 x, aux = _run_layer(self.router, layer, x, x0, key_padding_mask,
                                     x0_keyword=self.config.x0_keyword, causal=True,
                                     residual_scale=self.residual_scale,
-                                    nested=self.config.nested_inputs)
+                                    nested=self.config.nested_inputs,
+                                    outputs=self.config.segment_outputs)
                 aux_total = _add(aux_total, aux)
         logits: Tensor = self.lm_head(self.norm_f(x))  # (B, T, vocab)
         return logits if aux_total is None else (logits, aux_total)

@@ -40,6 +40,7 @@ from gradequiv.models.kinds import (
     TRAINABLE,
     TRANSFORMER,
 )
+from gradequiv.models.transformer import SEGMENT_OUTPUTS
 
 __all__ = [
     "DROPOUT_SITES",
@@ -74,6 +75,10 @@ def _one_of(options: tuple[Any, ...]) -> st.SearchStrategy[Any]:
 
 
 _BOOLEANS = st.booleans()
+#: What each layer returns: plain in one draw of two, else one of the structures with None
+#: fields; both choices made always, so they keep their places while shrinking.
+_SEGMENT_OUTPUTS = st.tuples(st.booleans(), st.sampled_from(SEGMENT_OUTPUTS[1:])).map(
+    lambda drawn: drawn[1] if drawn[0] else SEGMENT_OUTPUTS[0])
 _integers = _cached(st.integers)
 _TRUE_FIRST = st.booleans().map(lambda b: not b)  # shrinks towards True
 
@@ -154,13 +159,17 @@ def transformer_configs(
     applied twice (weight sharing), ``x0`` by keyword, running statistics kept in
     buffers (counters compared exactly), tensors nested in containers with none
     positional, in-place ops, value-changing hooks (LoRA, input rescale, steering) and
-    parameters read from outside the segment's module. Shrinks towards one layer, one
+    parameters read from outside the segment's module; and, drawn first, the structure
+    each layer returns its hidden state in (a tuple, dict, dataclass or named tuple with
+    None fields, in one draw of two). Shrinks towards plain outputs, one layer, one
     head of width 4, SDPA, pre-LayerNorm, GELU, one tensor out, each layer once, no
     buffers, plain positional inputs, no in-place ops, no hooks, no outside parameters.
     """
     _check_range("layers", min_layers, max_layers)
     if max_width < 4:
         raise InvalidArgument(f"max_width={max_width!r}: must be at least 4")
+    # First, so that the shrinker takes it off first: what a failure does not need goes.
+    segment_outputs = draw(_SEGMENT_OUTPUTS)
     # Config field names known only at run time: the ** below cannot be checked per field.
     rates: dict[str, Any] = draw(dropout if dropout is not None else dropout_regimes())
     n_layer = draw(_integers(min_layers, max_layers))
@@ -187,6 +196,7 @@ def transformer_configs(
         inplace_ops=draw(_BOOLEANS),
         value_hooks=draw(_BOOLEANS),
         outside_params=draw(_BOOLEANS),
+        segment_outputs=segment_outputs,
         **rates,
     )
 

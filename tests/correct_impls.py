@@ -30,7 +30,7 @@ from torch.utils.checkpoint import (
 )
 
 from gradequiv.harness.implementations.faults import MatmulStore
-from gradequiv.harness.implementations.torch_builtins import tensors_positional
+from gradequiv.harness.implementations.torch_builtins import flat_outputs, tensors_positional
 
 #: Elements of the pool the offloading checkpoint allocates on its first call (16 MB).
 POOL_ELEMENTS = 4 * 1024 * 1024
@@ -121,9 +121,11 @@ def copying_matmul_store(function: Any, *args: Any, **kwargs: Any) -> Any:
 
 def declared_reentrant_checkpoint(function: Any, *args: Any, **kwargs: Any) -> Any:
     """torch's reentrant checkpoint, which refuses torch.autograd.grad by design, and says
-    so on itself (every tensor passed positionally: it takes no keyword arguments)."""
+    so on itself (every tensor passed positionally: it takes no keyword arguments; every
+    tensor it returns out of its Function, whatever structure held it)."""
     call, inputs = tensors_positional(function, args, kwargs)
-    return checkpoint(call, *inputs, use_reentrant=True)
+    flat, rebuild = flat_outputs(call)
+    return rebuild(checkpoint(flat, *inputs, use_reentrant=True))
 
 
 declared_reentrant_checkpoint.gradequiv_unsupported = ("autograd-grad",)  # type: ignore[attr-defined]
@@ -132,7 +134,8 @@ declared_reentrant_checkpoint.gradequiv_unsupported = ("autograd-grad",)  # type
 def undeclared_reentrant_checkpoint(function: Any, *args: Any, **kwargs: Any) -> Any:
     """The same checkpoint without the declaration: its refusal is a failure, said as one."""
     call, inputs = tensors_positional(function, args, kwargs)
-    return checkpoint(call, *inputs, use_reentrant=True)
+    flat, rebuild = flat_outputs(call)
+    return rebuild(checkpoint(flat, *inputs, use_reentrant=True))
 
 
 # Correct recomputes as pipeline, offload, multi-loss and fine-tuning runtimes write them:

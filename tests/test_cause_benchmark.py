@@ -71,6 +71,7 @@ EXPECTED = {
     "saved-inputs-freed-after-backward": ("2L-layer-two-losses-dropout", "second-pass"),
     "trainable-params-cached": ("2L-layer-changing-trainable-dropout", "trainable-misread"),
     "frozen-segment-no-grad": ("3L-layer-frozen-layer-dropout", "trainable-misread"),
+    "none-outputs-dropped": ("2L-layer-dict-outputs-aux-dropout", "output-structure"),
 }
 
 

@@ -24,7 +24,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from gradequiv.harness import Case, Implementation, default_cases, verify
-from gradequiv.harness.implementations.torch_builtins import tensors_positional
+from gradequiv.harness.implementations.torch_builtins import flat_outputs, tensors_positional
 from gradequiv.models.transformer import MLP, Attention
 
 
@@ -104,7 +104,8 @@ def deduplicating_checkpoint(function: Callable[..., Any], *args: Any, **kwargs:
                      and stored[i].requires_grad else stored[i] for i in index]
         return call(*positions)
 
-    return checkpoint(run, *unique, use_reentrant=True)
+    flat, rebuild = flat_outputs(run)  # a reentrant checkpoint follows no tensor in a dict
+    return rebuild(checkpoint(flat, *unique, use_reentrant=True))
 
 
 #: Per call of the deduplicating checkpoint: how many argument positions share a stored tensor.

@@ -15,6 +15,7 @@ from typing import Any
 
 import torch
 from torch import Tensor, nn
+from torch.utils._pytree import tree_flatten, tree_unflatten
 from torch.utils.checkpoint import checkpoint
 
 
@@ -83,10 +84,11 @@ def no_op(fn: Any, *args: Any, **kwargs: Any) -> Any:
 
 
 def raises_in_backward(fn: Any, *args: Any, **kwargs: Any) -> Any:
-    out = _checkpoint(fn, *args, **kwargs)
-    if isinstance(out, tuple):  # a layer with an auxiliary loss: its hidden state raises
-        return (_RaiseInBackward.apply(out[0]), *out[1:])
-    return _RaiseInBackward.apply(out)
+    """Its first output tensor (the hidden state, beside an aux loss or in a dict) raises."""
+    leaves, structure = tree_flatten(_checkpoint(fn, *args, **kwargs))
+    first = next(i for i, leaf in enumerate(leaves) if isinstance(leaf, torch.Tensor))
+    leaves[first] = _RaiseInBackward.apply(leaves[first])
+    return tree_unflatten(leaves, structure)
 
 
 def returns_tuple(fn: Any, *args: Any, **kwargs: Any) -> Any:

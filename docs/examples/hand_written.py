@@ -5,7 +5,8 @@
 and fails the autocast ones (bf16 and fp16). ``my_checkpoint_fixed`` re-enters
 autocast. Both pass every tensor of their arguments, by keyword or nested in
 containers, to the autograd.Function as inputs (a tensor bound in a closure
-would get no gradient of its own), and both call
+would get no gradient of its own), hand back what the segment returns (a dict or a
+tuple with None fields) around the Function's tensor outputs, and both call
 backward inside backward, as torch's reentrant checkpoint does, so neither can
 run under ``torch.autograd.grad``: they say so, and those cases are not drawn.
 """
@@ -35,18 +36,26 @@ class _Recompute(torch.autograd.Function):
 
 def _apply(function, autocast, args, kwargs):
     """Every tensor of the arguments, by keyword or nested in lists, tuples and dicts, goes in
-    as an input of the Function: one left in a closure or a container gets no gradient."""
+    as an input of the Function: one left in a closure or a container gets no gradient.
+    Every tensor the segment returns comes out of it, and what held them (a dict, a
+    dataclass, a tuple with None in it) is rebuilt around them: a Function hands back
+    tensors and tuples only."""
     leaves, spec = tree_flatten((args, kwargs))
     where = [i for i, x in enumerate(leaves) if isinstance(x, torch.Tensor)]
+    returned = []
 
     def run(*tensors):
         filled = list(leaves)
         for i, t in zip(where, tensors):
             filled[i] = t
         call_args, call_kwargs = tree_unflatten(filled, spec)
-        return function(*call_args, **call_kwargs)
+        returned[:] = tree_flatten(function(*call_args, **call_kwargs))
+        return tuple(x for x in returned[0] if isinstance(x, torch.Tensor))
 
-    return _Recompute.apply(run, autocast, *(leaves[i] for i in where))
+    tensors = iter(_Recompute.apply(run, autocast, *(leaves[i] for i in where)))
+    out, structure = returned
+    return tree_unflatten([next(tensors) if isinstance(x, torch.Tensor) else x for x in out],
+                          structure)
 
 
 def my_checkpoint(function, *args, **kwargs):

@@ -240,6 +240,7 @@ class Case:
             size += "".join(f", {label}" for knob, label in _SHAPE_KNOBS.items()
                             if getattr(m, knob))
             size += f", each layer x{m.layer_repeats}" if m.layer_repeats > 1 else ""
+            size += f", {m.segment_outputs} outputs" if m.segment_outputs != "plain" else ""
         return (f"{size}, {self.granularity}, {self.dtype}{self._training()}, {rand}, "
                 f"seed {self.seed}")
 

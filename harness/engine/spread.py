@@ -1,20 +1,18 @@
 """The fixed, deterministic spread of cases that ``gradequiv check`` runs.
 
-It covers dropout on and off, every precision regime, every granularity, both
-attention paths, both norms and placements, every activation, tied and
-untied embeddings, padding on and off, every way of asking for gradients (a
-gradient penalty through ``create_graph`` only for implementations that claim it),
-eval and no_grad forwards before training, layers that return an auxiliary loss, are
-applied twice, take ``x0`` by keyword, keep running statistics in buffers or run
-with autocast disabled inside an autocast forward, take their tensors nested in
-containers and by keyword only, run in-place ops, carry value-changing hooks or read
-parameters their module does not own, and the ways training loops drive a segment
-(GPipe, reversed, 1F1B and summed micro-batch schedules, a loss backpropagated in two
-parts, backward inside autocast, a frozen segment, adapters only, which parameters train
-changing between steps), and sizes from one layer up to
-4 layers x 128 wide x 64 tokens (segment inputs of 16k elements) and one layer
-of 128k-element inputs. Cheap cases come first so a broken implementation fails
-fast.
+It covers dropout on and off, every precision regime, every granularity, both attention
+paths, both norms and placements, every activation, tied and untied embeddings, padding on
+and off, every way of asking for gradients (a gradient penalty through ``create_graph``
+only for implementations that claim it), eval and no_grad forwards before training, layers
+that return an auxiliary loss, are applied twice, take ``x0`` by keyword, keep running
+statistics in buffers or run with autocast disabled inside an autocast forward, take their
+tensors nested in containers and by keyword only, run in-place ops, carry value-changing
+hooks, read parameters their module does not own or return a dict with None fields, and
+the ways training loops drive a segment (GPipe, reversed, 1F1B and summed micro-batch
+schedules, a loss backpropagated in two parts, backward inside autocast, a frozen segment,
+adapters only, which parameters train changing between steps), and sizes from one layer up
+to 4 layers x 128 wide x 64 tokens (segment inputs of 16k elements) and one layer of
+128k-element inputs. Cheap cases come first so a broken implementation fails fast.
 """
 
 from __future__ import annotations
@@ -107,6 +105,9 @@ def default_cases() -> list[Case]:
               "layer", seed=35),
         _case("2L-layer-outside-params-dropout", replace(
             _SMALL, outside_params=True, **_ALL_DROPOUT), "layer", seed=36),
+        # Layers returning a dict with None fields beside an aux loss, as library layers do
+        _case("2L-layer-dict-outputs-aux-dropout", replace(
+            _SMALL, segment_outputs="dict", aux_loss=True, **_ALL_DROPOUT), "layer", seed=49),
         # How real training loops drive a segment: several micro-batches in flight, several
         # backward passes over one forward, backward inside autocast, frozen parameters
         _case("2L-layer-gpipe-dropout", replace(_SMALL, **_ALL_DROPOUT), "layer",

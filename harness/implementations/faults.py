@@ -1,25 +1,25 @@
 """Deliberately broken recompute implementations: one correct checkpoint, one switch per fault.
 
-``reference_checkpoint`` is a plain, correct recompute (an autograd.Function:
-forward under no_grad keeping only the inputs, backward re-running the
-segment with the RNG state, autocast state and keyword arguments of the
-first run, buffers put back). Every tensor of the arguments, at the top level, by
-keyword or nested in lists, tuples and dicts, is an input of the Function, and so are
-the segment's parameters and every parameter the first run read that its module does
-not own (a shared projection, a gate the model owns, a weight in a closure: found by a
-TorchFunctionMode over that run, which is why the first run happens before the Function
-is applied and the Function's forward only hands its outputs over). Backward returns
-their gradients from ``torch.autograd.grad``: it never writes ``.grad`` itself, so it composes
-with ``torch.autograd.grad(loss, ...)`` and with gradient accumulation, and a
-tensor passed by keyword gets its gradient. Every output tensor of a tuple
-gets its incoming gradient. Under ``create_graph=True`` (grad mode on in backward)
-it recomputes on views of the saved inputs and parameters, which keep their graph,
-and takes the gradients with ``create_graph``, so that they can be differentiated
-again (a gradient penalty); it claims no ``create-graph`` all the same: its second
-backward runs through another graph than full storage's and sums in another order
-(relative errors of a few 1e-6 in fp32, of bf16's rounding in bf16), where torch's
-non-reentrant checkpoint, which backpropagates through the forward's own graph, is
-bitwise equal.
+``reference_checkpoint`` is a plain, correct recompute (an autograd.Function: forward
+under no_grad keeping only the inputs, backward re-running the segment with the RNG state,
+autocast state and keyword arguments of the first run, buffers put back). Every tensor of
+the arguments, at the top level, by keyword or nested in lists, tuples and dicts, is an
+input of the Function, and so are the segment's parameters and every parameter the first
+run read that its module does not own (a shared projection, a gate the model owns, a
+weight in a closure: found by a TorchFunctionMode over that run, which is why the first
+run happens before the Function is applied and the Function's forward only hands its
+outputs over). Backward returns their gradients from ``torch.autograd.grad``: it never
+writes ``.grad`` itself, so it composes with ``torch.autograd.grad(loss, ...)`` and with
+gradient accumulation, and a tensor passed by keyword gets its gradient. Every output
+tensor, in a tuple, a dict, a dataclass or a named tuple, gets its incoming gradient, and
+the outputs come back in the structure the segment returned them in, ``None`` fields
+included. Under ``create_graph=True`` (grad mode on in backward) it recomputes on views of
+the saved inputs and parameters, which keep their graph, and takes the gradients with
+``create_graph``, so that they can be differentiated again (a gradient penalty); it claims
+no ``create-graph`` all the same: its second backward runs through another graph than full
+storage's and sums in another order (relative errors of a few 1e-6 in fp32, of bf16's
+rounding in bf16), where torch's non-reentrant checkpoint, which backpropagates through
+the forward's own graph, is bitwise equal.
 Each mutant flips one :class:`Faults` switch; each switch is a failure seen in real
 recompute code (``Mutant.source``: the issue or pull request it stands for, where one
 is known). A harness that lets any of them pass is broken.
@@ -28,6 +28,7 @@ is known). A harness that lets any of them pass is broken.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import weakref
 from collections import deque
@@ -127,6 +128,10 @@ class Faults:
     #                                        first call: those unfrozen later get no gradient
     frozen_segment_no_grad: bool = False  # a segment with no trainable parameter run under
     #                                       no_grad: no gradient reaches its input
+    none_outputs_dropped: bool = False  # outputs repacked from their values that are not
+    #                                     None: a dict loses its None fields, a tuple with
+    #                                     None shortens, a dataclass or named tuple comes
+    #                                     back a plain tuple
 
 
 @dataclass(frozen=True)
@@ -362,6 +367,13 @@ MUTANTS: tuple[Mutant, ...] = (
                                       "no_grad, as having nothing to train: the gradient to "
                                       "its input, and so to every layer before it, is lost",
             "https://github.com/huggingface/transformers/issues/16276"),
+    _mutant("none_outputs_dropped", "a checkpoint that repacks the segment's outputs from the "
+                                    "values it hands through its Function and keeps those "
+                                    "that are not None, as ModelOutput.to_tuple() does: a "
+                                    "dict loses its None fields, (x, None, aux) comes back "
+                                    "(x, aux) and the model reads the aux loss as attention "
+                                    "weights, a dataclass or named tuple comes back a plain "
+                                    "tuple", f"{_FAIRSCALE}/issues/802"),
 )
 
 
@@ -432,14 +444,33 @@ def checkpoint_with_faults(
     tensors = [leaves[i] for i in slots]
     outside = _first_run(run, tensors, params)
     run.n_params = len(params) + len(outside)
+    # The Function hands over a flat tuple (its outputs are tensors or other values, never a
+    # structure): the structure comes back around it.
+    flat, structure = tree_flatten(run.out)
+    run.out = tuple(flat)
     grad_mode = torch.enable_grad() if faults.grad_mode_forced_on else contextlib.nullcontext()
     with grad_mode:
-        out = _Recompute.apply(run, *tensors, *params, *outside)  # type: ignore[no-untyped-call]  # untyped
+        handed = _Recompute.apply(run, *tensors, *params, *outside)  # type: ignore[no-untyped-call]  # untyped
+    out = tree_unflatten(list(handed), structure)
+    if faults.none_outputs_dropped:
+        out = _without_nones(out)
     if faults.padding_zeroed:
         mask = next((a for a in [*args, *kwargs.values()] if isinstance(a, Tensor)
                      and a.dtype == torch.bool and a.dim() == 2), None)
         if mask is not None and isinstance(out, Tensor) and out.shape[:2] == mask.shape:
             out = out * mask[..., None].to(out.dtype)
+    return out
+
+
+def _without_nones(out: Any) -> Any:
+    """``out`` repacked from its values that are not None (the none-outputs-dropped fault)."""
+    if isinstance(out, dict):
+        return {k: v for k, v in out.items() if v is not None}
+    if isinstance(out, tuple):
+        return tuple(v for v in out if v is not None)
+    if dataclasses.is_dataclass(out) and not isinstance(out, type):
+        values = (getattr(out, f.name) for f in dataclasses.fields(out))
+        return tuple(v for v in values if v is not None)
     return out
 
 
@@ -612,10 +643,12 @@ class _Run:
 
 def _unchained(blocks: nn.ModuleList, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     """A group's custom forward that feeds each layer the group's input (the fault)."""
-    outs = [block(*args, **kwargs) for block in blocks]
-    if not isinstance(outs[-1], tuple):
-        return outs[-1]
-    return (outs[-1][0], sum(o[1] for o in outs[1:]) + outs[0][1])
+    from gradequiv.models.transformer import pack_outputs, unpack_outputs
+
+    kind = getattr(blocks[-1], "outputs", "plain")
+    outs = [unpack_outputs(kind, block(*args, **kwargs)) for block in blocks]
+    auxes = [aux for _, aux in outs if aux is not None]
+    return pack_outputs(kind, outs[-1][0], sum(auxes[1:], auxes[0]) if auxes else None)
 
 
 class _Recompute(torch.autograd.Function):
@@ -721,7 +754,7 @@ class _Recompute(torch.autograd.Function):
         run.cached.clear()
         if faults.recomputed_kept:
             _KEPT_OUTPUTS[run.function] = out
-        outs = out if isinstance(out, tuple) else (out,)
+        outs = tree_flatten(out)[0]
         if faults.gradient_skew:
             grads = tuple(None if g is None else g * (1 + 1e-4) for g in grads)
         pairs = [(o, g) for o, g in zip(outs, grads)

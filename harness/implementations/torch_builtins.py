@@ -53,13 +53,40 @@ def torch_reentrant_checkpoint(function: Callable[..., Any], *args: Any, **kwarg
     """torch.utils.checkpoint with ``use_reentrant=True``.
 
     The reentrant variant refuses keyword arguments for the function; see
-    :func:`tensors_positional` for how they reach it, as careful users pass them.
+    :func:`tensors_positional` for how they reach it, as careful users pass them. Nor does it
+    follow tensors in a structure it returns: see :func:`flat_outputs`.
     """
     from torch.utils.checkpoint import checkpoint
 
     options = {k: kwargs.pop(k) for k in _REENTRANT_OPTIONS if k in kwargs}
     call, inputs = tensors_positional(function, args, kwargs)
-    return checkpoint(call, *inputs, use_reentrant=True, **options)
+    flat, rebuild = flat_outputs(call)
+    return rebuild(checkpoint(flat, *inputs, use_reentrant=True, **options))
+
+
+def flat_outputs(function: Callable[..., Any]
+                 ) -> tuple[Callable[..., tuple[Any, ...]], Callable[[Any], Any]]:
+    """For a checkpoint whose autograd.Function hands back tensors and tuples only: a call
+    returning what ``function`` returns as the flat tuple of its leaves (tensors and
+    ``None`` alike), and what rebuilds the structure around that tuple, ``None`` fields
+    included.
+
+    torch documents that the reentrant variant does not consider tensors in nested
+    structures (dicts, custom objects) as taking part in autograd: a segment returning a
+    dict or a dataclass gets no gradient through them, silently, and a named tuple comes
+    back a plain tuple. Flattened, every tensor is an output of the Function.
+    """
+    structure: list[Any] = []
+
+    def call(*args: Any) -> tuple[Any, ...]:
+        leaves, spec = tree_flatten(function(*args))
+        structure[:] = [spec]
+        return tuple(leaves)
+
+    def rebuild(flat: Any) -> Any:
+        return tree_unflatten(list(flat), structure[0])
+
+    return call, rebuild
 
 
 def tensors_positional(function: Callable[..., Any], args: tuple[Any, ...],

@@ -36,7 +36,8 @@ __all__ = ["CAUSES", "MEMORY_FINDINGS", "Diagnosis", "diagnose", "distinct_fault
            "divergence_cause", "fault_key"]
 
 #: Every cause a diagnosis can name.
-CAUSES = ("raised", "refuses-autograd-grad", "refuses-pattern", "in-flight-state",
+CAUSES = ("raised", "output-structure", "refuses-autograd-grad", "refuses-pattern",
+          "in-flight-state",
           "second-pass", "autocast-from-backward", "trainable-misread", "autocast-cast-cache",
           "process",
           "global-state",
@@ -190,6 +191,12 @@ def _buffers(record: dict[str, Any] | None, texts: dict[str, list[str]]) -> tupl
         f"(running statistics, counters) a second time")
 
 
+#: How the router's error begins where a recompute handed back another structure than the
+#: segment returns (a None field dropped, a named tuple made a plain one): the sentence.
+_ERROR_NAME = "WrongReturn: "
+_STRUCTURE_CHANGED = f"{_ERROR_NAME}the output structure of "
+
+
 def _cause(failure: dict[str, Any], record: dict[str, Any] | None,
            failing: list[str]) -> tuple[str, str]:
     prop = failure["property"]
@@ -203,6 +210,8 @@ def _cause(failure: dict[str, Any], record: dict[str, Any] | None,
                 f"design, as with torch's reentrant checkpoint, declare "
                 f"`gradequiv_unsupported = (\"autograd-grad\",)` on the callable and those "
                 f"cases are skipped")
+        if _STRUCTURE_CHANGED in last:
+            return "output-structure", last[last.index(_STRUCTURE_CHANGED) + len(_ERROR_NAME):]
         refused = _refused_pattern(last, record)
         if refused:
             return "refuses-pattern", (
