@@ -83,12 +83,13 @@ def _rank(rank: int, folder: str, drawn: list[tuple[str, dict[str, Any]]]) -> No
         setup = RankSetup(Parallel.from_dict(engine), rank, 2, "cpu", None)
         row = {"bare": [], "verify": []}
         for _ in range(ROUNDS):
-            for name, work in (("bare", lambda: bare(case, setup)),
-                               ("verify", lambda: verify(impl, case, device=device,
-                                                         ranks=setup))):
+            for name in ("bare", "verify"):
                 dist.barrier()
                 started = time.perf_counter()
-                work()
+                if name == "bare":
+                    bare(case, setup)
+                else:
+                    verify(impl, case, device=device, ranks=setup)
                 dist.barrier()
                 row[name].append(time.perf_counter() - started)
         times.append({k: statistics.median(v) for k, v in row.items()}
