@@ -62,8 +62,8 @@ def torch_threads(count: int | None) -> Iterator[None]:
 
 def _run(options: CheckOptions, observer: Any) -> int:
     # torch is imported here, not at module import, so --help and usage errors stay fast.
-    from gradequiv.harness.engine.compare import Tolerance
     from gradequiv.harness.engine.bindings import fingerprint
+    from gradequiv.harness.engine.compare import Tolerance
     from gradequiv.harness.engine.devices import resolve_device
     from gradequiv.harness.engine.spread import load_case
     from gradequiv.harness.engine.verify import check_runnable

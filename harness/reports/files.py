@@ -27,9 +27,9 @@ from typing import Any
 from gradequiv.harness.errors import InvalidArgument
 
 __all__ = ["LOCK_FILE", "MANIFEST", "RENDERED", "REPORT_FILE", "claim_report_dir",
-           "discard_set_aside", "lock_report_dir", "not_written_by_us", "run_identity", "take_write_failure",
-           "unclaim_report_dir", "write_json_atomic", "write_text_atomic",
-           "write_text_through"]
+           "discard_set_aside", "lock_report_dir", "not_written_by_us", "run_identity",
+           "take_write_failure", "unclaim_report_dir", "write_json_atomic",
+           "write_text_atomic", "write_text_through"]
 
 #: The files a check run owns in its report folder: report.json and the views rendered from
 #: it (format -> file name; ``gradequiv report`` writes the views).

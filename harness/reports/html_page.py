@@ -29,6 +29,7 @@ from gradequiv.harness.reports.findings import (
     headline_command,
     layer_errors,
 )
+from gradequiv.harness.reports.report import bounded_report
 from gradequiv.harness.reports.tables import (
     Table,
     mutants_summary,
@@ -37,7 +38,6 @@ from gradequiv.harness.reports.tables import (
     profile_summary,
     profile_tables,
 )
-from gradequiv.harness.reports.report import bounded_report
 from gradequiv.harness.reports.text import printable
 
 __all__ = ["heatmap_cases", "render_html"]

@@ -19,6 +19,7 @@ from typing import Any
 
 from gradequiv.harness.reports.bundle import ReportBundle
 from gradequiv.harness.reports.findings import FailureGroup, failure_groups, find, headline_command
+from gradequiv.harness.reports.report import bounded_report
 from gradequiv.harness.reports.tables import (
     mutants_summary,
     mutants_table,
@@ -26,7 +27,6 @@ from gradequiv.harness.reports.tables import (
     profile_summary,
     profile_tables,
 )
-from gradequiv.harness.reports.report import bounded_report
 from gradequiv.harness.reports.text import encodable, printable
 
 __all__ = ["mutants_markdown", "profile_markdown", "render_markdown"]
