@@ -63,9 +63,10 @@ def return_signature(value: Any) -> Any:
     """
     if isinstance(value, torch.Tensor):
         return ("tensor", tuple(value.shape), value.dtype)
-    if isinstance(value, tuple) and hasattr(type(value), "_fields"):  # a named tuple
+    fields: tuple[str, ...] | None = getattr(type(value), "_fields", None)
+    if isinstance(value, tuple) and fields is not None:  # a named tuple
         return ("fields", type(value).__name__,
-                tuple((k, return_signature(v)) for k, v in zip(value._fields, value)))
+                tuple((k, return_signature(v)) for k, v in zip(fields, value)))
     if isinstance(value, (tuple, list)):
         return (type(value).__name__, tuple(return_signature(v) for v in value))
     if isinstance(value, dict):

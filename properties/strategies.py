@@ -169,7 +169,7 @@ def transformer_configs(
     if max_width < 4:
         raise InvalidArgument(f"max_width={max_width!r}: must be at least 4")
     # First, so that the shrinker takes it off first: what a failure does not need goes.
-    segment_outputs = draw(_SEGMENT_OUTPUTS)
+    segment_outputs: Any = draw(_SEGMENT_OUTPUTS)  # one of the config's Literal values
     # Config field names known only at run time: the ** below cannot be checked per field.
     rates: dict[str, Any] = draw(dropout if dropout is not None else dropout_regimes())
     n_layer = draw(_integers(min_layers, max_layers))

@@ -220,9 +220,9 @@ class RankPool:
         refused = [self._out / f"{number}-rank{r}.ref" for r in range(self.world_size)]
         deadline = time.monotonic() + self.timeout_s
         while not all(p.exists() for p in results):
-            said = next((r for r in refused if r.exists()), None)
-            if said is not None:  # the model fails under the engine without recompute
-                verdict.unrunnable = said.read_text(errors="replace")
+            refusal = next((r for r in refused if r.exists()), None)
+            if refusal is not None:  # the model fails under the engine without recompute
+                verdict.unrunnable = refusal.read_text(errors="replace")
                 break
             if any(e.exists() for e in errors):
                 time.sleep(0.2)  # the other ranks' errors, if they come at once

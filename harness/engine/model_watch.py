@@ -431,7 +431,8 @@ class NamedStates:
                                     if isinstance(state, torch.Generator)
                                     else state.detach().clone())
             if found:  # the CPU's and, where in use, each CUDA device's
-                cuda = torch.cuda.default_generators if torch.cuda.is_initialized() else ()
+                initialized = torch.cuda.is_initialized()  # type: ignore[no-untyped-call]
+                cuda = torch.cuda.default_generators if initialized else ()
                 found[_DEFAULT] = ("default rng", torch.cat(
                     [torch.default_generator.get_state(), *(g.get_state() for g in cuda)]))
         return found
