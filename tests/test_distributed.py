@@ -220,3 +220,20 @@ def test_a_case_the_engine_cannot_train_is_no_verdict_on_the_implementation(
         assert not case_and_engine[0].model.inplace_ops
 
     drawn()
+
+
+@pytest.mark.distributed
+def test_a_megatron_style_tracker_checkpoint_on_ranks_restores_both_generators_or_is_named(
+        monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    """Megatron's shape (tests/tracker_setups.py) on two ranks: the checkpoint that restores
+    the default generator and the tracker's states passes; the one that restores only the
+    default generator fails, the tracker's state named where it lives."""
+    monkeypatch.syspath_prepend(str(Path(__file__).parent))
+    monkeypatch.setenv("PYTHONPATH", str(Path(__file__).parent))
+    model = ["--model", "tracker_setups:tracker_stack", "--wrapper", "ddp", "--examples", "3"]
+    assert main(["distributed", "--impl", "tracker_setups:tracker_checkpoint", *model]) == 0
+    capsys.readouterr()
+    assert main(["distributed", "--impl", "tracker_setups:default_only_checkpoint",
+                 *model]) == 1
+    assert ("likely cause: the recompute does not restore the RNG state of "
+            "tracker_setups.TRACKER.states_['model-parallel-rng']") in capsys.readouterr().out
