@@ -184,12 +184,15 @@ def build_parser() -> argparse.ArgumentParser:
         "distributed", help="DDP / FSDP / tensor-parallel training with and without "
                             "recompute on N ranks")
     _implementation_options(dist)
-    dist.add_argument("--wrapper", choices=("ddp", "fsdp", "tp", "user", "both", "all"),
+    dist.add_argument("--wrapper", choices=("ddp", "fsdp", "tp", "fsdp-tp", "user", "both",
+                                            "all"),
                       default="all",
                       help="the engine: DDP, FSDP2's fully_shard per layer and at the root, "
-                           "tensor parallelism with DTensor (tp), your --parallelize function "
-                           "(user); ddp and fsdp (both), or ddp, fsdp and tp (all, the "
-                           "default; user when --parallelize is given)")
+                           "tensor parallelism with DTensor (tp), both on a 2-D mesh "
+                           "(fsdp-tp: tp in pairs of ranks, 4 ranks or more), your "
+                           "--parallelize function (user); ddp and fsdp (both), or every "
+                           "one the world size allows but user (all, the default; user "
+                           "when --parallelize is given)")
     dist.add_argument("--world-size", type=_count("--world-size"), default=2, metavar="N")
     dist.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
                       help="cpu: gloo; cuda: NCCL, one GPU per rank (default %(default)s)")

@@ -511,11 +511,14 @@ def distributed_cases(*, world_size: int = 2,
                        backward_autocast=False, trainable="all", inference=False,
                        batch=replace(case.batch, batch_size=rows))
 
-    modes = tuple(m for m in RESHARD_MODES if isinstance(m, bool) or world_size % m == 0)
-    engine = _one_of(engines).flatmap(
-        lambda name: st.tuples(_one_of(modes), st.booleans()).map(
+    def sharded(name: str) -> st.SearchStrategy[Parallel]:
+        shards = world_size // Parallel(name).tensor_parallel(world_size)
+        modes = tuple(m for m in RESHARD_MODES if isinstance(m, bool) or shards % m == 0)
+        return st.tuples(_one_of(modes), st.booleans()).map(
             lambda drawn: Parallel(name, *drawn))
-        if name == "fsdp" else st.just(Parallel(name)))
+
+    engine = _one_of(engines).flatmap(
+        lambda name: sharded(name) if Parallel(name).sharded else st.just(Parallel(name)))
     return st.tuples(drawn.map(trained_so), engine).map(_fit_engine)
 
 
@@ -524,7 +527,7 @@ def _fit_engine(drawn: tuple[Case, Parallel]) -> tuple[Case, Parallel]:
     output on as a view of a DTensor's local tensor, which autograd refuses to see changed
     in place (the model's in-place dropout and ReLU: Megatron-style code has none there)."""
     case, parallel = drawn
-    if parallel.engine == "tp" and isinstance(case.model, TransformerConfig) \
+    if parallel.tensor_parallel(2) > 1 and isinstance(case.model, TransformerConfig) \
             and case.model.inplace_ops:
         case = replace(case, model=replace(case.model, inplace_ops=False))
     return case, parallel

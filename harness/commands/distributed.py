@@ -33,7 +33,7 @@ import torch.distributed as dist
 from torch.multiprocessing.spawn import start_processes
 
 from gradequiv.harness.engine.case import Case
-from gradequiv.harness.engine.parallel import Parallel, RankSetup
+from gradequiv.harness.engine.parallel import PAIR, Parallel, RankSetup
 from gradequiv.harness.engine.verify import ReferenceFailed, Verdict, verify
 from gradequiv.harness.errors import InvalidArgument, exception_line
 from gradequiv.harness.implementations.adapters import Implementation
@@ -41,10 +41,19 @@ from gradequiv.harness.implementations.adapters import Implementation
 __all__ = ["WRAPPERS", "DistributedVerdict", "RankPool", "verify_distributed"]
 
 #: the engines the harness sets up itself (``user``: the function ``--parallelize`` names)
-WRAPPERS = ("ddp", "fsdp", "tp")
-#: what ``--wrapper`` accepts beyond one engine: every engine the harness sets up
-#: (``all``, the default) or the two data-parallel ones (``both``)
+WRAPPERS = ("ddp", "fsdp", "tp", "fsdp-tp")
+#: what ``--wrapper`` accepts beyond one engine: every engine the harness sets up that the
+#: world size allows (``all``, the default) or the two data-parallel ones (``both``)
 WRAPPER_GROUPS = {"all": WRAPPERS, "both": ("ddp", "fsdp")}
+
+
+def engines_for(wrapper: str, world_size: int) -> tuple[str, ...]:
+    """The engines ``--wrapper`` names that ``world_size`` ranks can form (the 2-D mesh
+    needs pairs of pairs)."""
+    named = WRAPPER_GROUPS.get(wrapper, (wrapper,))
+    if wrapper in WRAPPER_GROUPS and (world_size < 2 * PAIR or world_size % PAIR):
+        named = tuple(e for e in named if e != "fsdp-tp")
+    return named
 
 
 @dataclass
@@ -286,7 +295,11 @@ def _rank_main(rank: int, world_size: int, folder: str, device_type: str, tasks:
     traceback to ``folder``, until it is sent None. A crash (a signal) leaves the Python
     stacks of the rank's threads in ``rank<r>.crash`` there."""
     import faulthandler
+    import logging
 
+    # DTensor logs, once per gather of a 2-D sharded tensor, that two all-gathers are slower
+    # than one: the whole tensors the properties compare, not the training's own traffic
+    logging.getLogger("torch.distributed.tensor._redistribute").setLevel(logging.ERROR)
     out = Path(folder)
     crash = (out / f"rank{rank}.crash").open("w")  # open for the life of the rank
     faulthandler.enable(crash, all_threads=True)
@@ -445,7 +458,7 @@ def reproduce_line(impl: Implementation, case: Case, parallel: Parallel, world_s
 
     words = ["gradequiv", "distributed", *impl.command_args(), "--world-size", str(world_size),
              "--wrapper", parallel.engine]
-    if parallel.engine == "fsdp":
+    if parallel.sharded:
         words += ["--reshard-after-forward", str(parallel.reshard_after_forward).lower()]
     if parallel.mixed_precision:
         words += ["--mixed-precision"]
@@ -465,7 +478,7 @@ def run(args: Any) -> int:
     from gradequiv.harness.validate import impl_kwargs
 
     impl = resolve(args.impl, adapter=args.adapter, kwargs=impl_kwargs(args.impl_kwarg))
-    engines = WRAPPER_GROUPS.get(args.wrapper, (args.wrapper,))
+    engines = engines_for(args.wrapper, args.world_size)
     if args.parallelize is not None and args.wrapper in WRAPPER_GROUPS:
         engines = ("user",)
     if "user" in engines and args.parallelize is None:
@@ -510,7 +523,7 @@ def _run_one(pool: RankPool, case: Case, engines: tuple[str, ...], args: Any, ba
     failed = None
     for engine in engines:
         parallel = Parallel(engine, args.reshard_after_forward,
-                            args.mixed_precision and engine == "fsdp")
+                            args.mixed_precision and engine in ("fsdp", "fsdp-tp"))
         print(f"gradequiv distributed: {pool.impl.spec} under {parallel.describe()}, "
               f"{args.world_size} ranks ({backend}), {case.describe()}", flush=True)
         verdict = pool.run(case, parallel)

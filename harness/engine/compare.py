@@ -205,6 +205,9 @@ class Tolerance:
     regime: str = "fp32"
     rtol: float | None = None
     atol: float | None = None
+    #: the dtype the engine computes in where it is narrower than the tensors compared
+    #: (FSDP2's bf16 parameters over fp32 shards): a reordered sum rounds there
+    compute: torch.dtype | None = None
 
     def __post_init__(self) -> None:
         if self.regime not in DTYPE_CAPS:
@@ -222,7 +225,12 @@ class Tolerance:
             return 0.0  # counters, RNG bytes: exactly equal or wrong
         if not math.isfinite(floor):
             floor = DTYPE_CAPS[self.regime]
-        return min(DTYPE_CAPS[self.regime], max(FLOOR_FACTOR * floor, reorder_slack(dtype)))
+        rounded = dtype
+        if self.compute is not None and torch.finfo(self.compute).bits < torch.finfo(dtype).bits:
+            rounded = self.compute
+        cap = max(DTYPE_CAPS[self.regime], reorder_slack(rounded)) if rounded is not dtype \
+            else DTYPE_CAPS[self.regime]
+        return min(cap, max(FLOOR_FACTOR * floor, reorder_slack(rounded)))
 
     def passes(self, metrics: PairMetrics, bound: float) -> bool:
         if self.atol is not None and metrics.max_abs <= self.atol:

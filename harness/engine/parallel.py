@@ -26,11 +26,11 @@ if TYPE_CHECKING:
 
 __all__ = ["ENGINES", "Parallel", "RankSetup", "apply_engine"]
 
-#: the engines a case may train under (``user``: the function named by ``--parallelize``)
-ENGINES = ("ddp", "fsdp", "tp", "user")
-#: the engines whose ranks each train their own rows of the batch (tensor parallel ranks
-#: share theirs: every rank of a tensor-parallel group sees the same tokens)
-DATA_PARALLEL = ("ddp", "fsdp", "user")
+#: the engines a case may train under (``user``: the function named by ``--parallelize``;
+#: ``fsdp-tp``: a 2-D mesh, tensor parallel in pairs of ranks, FSDP2 across the pairs)
+ENGINES = ("ddp", "fsdp", "tp", "fsdp-tp", "user")
+#: ranks in a tensor-parallel group under ``fsdp-tp`` (torchtitan's inner mesh dimension)
+PAIR = 2
 
 
 @dataclass(frozen=True)
@@ -49,9 +49,9 @@ class Parallel:
     def __post_init__(self) -> None:
         if self.engine not in ENGINES:
             raise InvalidArgument(f"engine={self.engine!r} is not one of {', '.join(ENGINES)}")
-        if self.mixed_precision and self.engine != "fsdp":
+        if self.mixed_precision and not self.sharded:
             raise InvalidArgument(f"mixed_precision=True under engine={self.engine!r}: the "
-                                  f"policy is FSDP2's; use engine='fsdp'")
+                                  f"policy is FSDP2's; use engine='fsdp' or 'fsdp-tp'")
         reshard = self.reshard_after_forward
         if not isinstance(reshard, (bool, int)) or (not isinstance(reshard, bool)
                                                     and reshard < 2):
@@ -59,12 +59,24 @@ class Parallel:
                 f"reshard_after_forward={reshard!r}: true, false, or a group size of at "
                 f"least 2 that divides the world size")
 
+    @property
+    def sharded(self) -> bool:
+        """Whether FSDP2 shards the parameters (its reshard mode and policy apply)."""
+        return self.engine in ("fsdp", "fsdp-tp")
+
+    def tensor_parallel(self, world_size: int) -> int:
+        """Ranks in one tensor-parallel group: they share rows of the batch and masks."""
+        return {"tp": world_size, "fsdp-tp": PAIR}.get(self.engine, 1)
+
     def describe(self) -> str:
+        policy = ", bf16 parameters, fp32 reduce" if self.mixed_precision else ""
         if self.engine == "fsdp":
-            policy = ", bf16 parameters, fp32 reduce" if self.mixed_precision else ""
             return f"fsdp (reshard_after_forward={self.reshard_after_forward}{policy})"
         if self.engine == "tp":
             return "tp (DTensor: MLPs column- then row-wise)"
+        if self.engine == "fsdp-tp":
+            return (f"fsdp-tp (2-D mesh: tp in pairs, fsdp across them, "
+                    f"reshard_after_forward={self.reshard_after_forward}{policy})")
         return self.engine
 
     def to_dict(self) -> dict[str, Any]:
@@ -74,22 +86,28 @@ class Parallel:
     def from_dict(cls, data: dict[str, Any]) -> Parallel:
         return cls(**data)
 
-    @property
-    def data_parallel(self) -> bool:
-        """Whether each rank trains its own rows of the batch with its own masks."""
-        return self.engine in DATA_PARALLEL
 
 
 def apply_engine(model: Any, layers: list[Any], parallel: Parallel, world_size: int,
                  parallelize: Callable[[Any, Any], Any] | None, device_type: str) -> Any:
     """``model`` under ``parallel``'s engine on this rank: what the training loop calls.
-    ``layers`` are the modules FSDP2 shards one by one (the model's layers)."""
+    ``layers`` are the modules FSDP2 shards and tensor parallelism splits one by one (the
+    model's layers). Under ``fsdp-tp``, as torchtitan applies them: tensor parallelism on
+    the inner mesh dimension first, then FSDP2 on the outer one."""
     if parallel.engine == "ddp":
         from torch.nn.parallel import DistributedDataParallel
 
         return DistributedDataParallel(model)
     from torch.distributed.device_mesh import init_device_mesh
 
+    if parallel.engine == "fsdp-tp":
+        if world_size < 2 * PAIR or world_size % PAIR:
+            raise InvalidArgument(f"engine='fsdp-tp' with world_size={world_size}: the 2-D "
+                                  f"mesh needs an even world size of at least {2 * PAIR}")
+        mesh = init_device_mesh(device_type, (world_size // PAIR, PAIR),
+                                mesh_dim_names=("dp", "tp"))
+        _tensor_parallel(model, layers, mesh["tp"])
+        return _fully_shard(model, layers, parallel, mesh["dp"], world_size // PAIR)
     mesh = init_device_mesh(device_type, (world_size,))
     if parallel.engine == "user":
         if parallelize is None:
@@ -97,10 +115,16 @@ def apply_engine(model: Any, layers: list[Any], parallel: Parallel, world_size: 
         return _users_set_up(model, parallelize, mesh)
     if parallel.engine == "tp":
         return _tensor_parallel(model, layers, mesh)
+    return _fully_shard(model, layers, parallel, mesh, world_size)
+
+
+def _fully_shard(model: Any, layers: list[Any], parallel: Parallel, mesh: Any,
+                 shards: int) -> Any:
+    """FSDP2 on each layer, then the root, over ``mesh`` (``shards`` ranks)."""
     reshard = parallel.reshard_after_forward
-    if not isinstance(reshard, bool) and world_size % reshard:
-        raise InvalidArgument(f"reshard_after_forward={reshard}: must divide the world "
-                              f"size {world_size}")
+    if not isinstance(reshard, bool) and shards % reshard:
+        raise InvalidArgument(f"reshard_after_forward={reshard}: must divide the "
+                              f"{shards} ranks FSDP2 shards over")
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     policy = MixedPrecisionPolicy()
@@ -169,24 +193,35 @@ class RankSetup:
     parallelize: Callable[[Any, Any], Any] | None = None
 
     @property
+    def data_rank(self) -> int:
+        """This rank's index among the data-parallel replicas (its tensor-parallel group's)."""
+        return self.rank // self.parallel.tensor_parallel(self.world_size)
+
+    @property
+    def replicas(self) -> int:
+        """Data-parallel replicas: each trains its own rows of the batch."""
+        return self.world_size // self.parallel.tensor_parallel(self.world_size)
+
+    @property
     def seed_offset(self) -> int:
-        """How far past the case's seed this rank's training stream starts: its own masks
-        under data parallelism; under tensor parallelism the same on every rank (the
-        replicated activations must draw alike; the sharded ones draw from torch's
-        distributed RNG, which gives each shard its own)."""
-        return self.rank if self.parallel.data_parallel else 0
+        """How far past the case's seed this rank's training stream starts: each replica
+        its own masks; within a tensor-parallel group the same (the replicated activations
+        must draw alike; the sharded ones draw from torch's distributed RNG, which gives
+        each shard its own)."""
+        return self.data_rank
 
     def share(self, path: PreparedPath) -> PreparedPath:
-        """``path`` with this rank's rows of the batch: a contiguous share, as a sampler's
-        (all of it under tensor parallelism)."""
-        if not self.parallel.data_parallel:
+        """``path`` with this replica's rows of the batch: a contiguous share, as a
+        sampler's (every rank of a tensor-parallel group the same)."""
+        if self.replicas == 1:
             return path
         rows = path.targets.shape[0] if path.targets.dim() else 0
-        inputs = tuple(t.tensor_split(self.world_size)[self.rank]
+        part = self.data_rank
+        inputs = tuple(t.tensor_split(self.replicas)[part]
                        if t is not None and t.dim() and t.shape[0] == rows else t
                        for t in path.inputs)
         return replace(path, inputs=inputs,
-                       targets=path.targets.tensor_split(self.world_size)[self.rank])
+                       targets=path.targets.tensor_split(self.replicas)[part])
 
     def wrap(self, model: Any, segments: list[Segment]) -> Any:
         """The model under the engine. FSDP2 shards each layer: the reference model's
@@ -203,11 +238,20 @@ class RankSetup:
         rank makes at the same point)."""
         return t.full_tensor() if hasattr(t, "full_tensor") else t
 
+    @property
+    def compute_dtype(self) -> Any:
+        """The dtype the engine computes in where narrower than the case's (FSDP2's bf16
+        policy over an fp32 case); None: the case's own."""
+        import torch
+
+        return torch.bfloat16 if self.parallel.mixed_precision else None
+
     def settle(self) -> None:
-        """Wait until the step's collectives have let go of what they send: gloo's workers
-        hold a finished collective's tensors until they take the next one (an all-reduced
-        activation of a re-run, alive a moment past backward, is no leak). Each worker
-        takes one barrier after its last collective; the ranks stay in step."""
+        """Give the step's collectives the moment they take to let go of what they sent:
+        a gloo worker drops a finished collective (and the tensors it holds) a moment after
+        the rank that waited on it goes on, so an all-reduced activation of a re-run can be
+        alive just past backward, and is no leak. Barriers make that moment; the ranks stay
+        in step. Every rank calls it at the same points."""
         import torch.distributed as dist
 
         for _ in range(2):  # gloo's two workers per process group

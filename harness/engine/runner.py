@@ -294,12 +294,19 @@ def run_path(
                             touched |= _backward_passes(case, loss, params, inputs, uses,
                                                         _input_names(model, inputs))
                         del loss
-                if ranks is not None and made is not None and not unwatched:
-                    ranks.settle()  # the engine's collectives let go of their buffers
-                left = None if made is None or unwatched else made.held_bytes(
-                    ignore=[*kept, *grads_in.grads.values(),
-                            *(p.grad for _, p in params if p.grad is not None),
-                            *(t.grad for t in inputs if t is not None and t.grad is not None)])
+                ignored = [*kept, *grads_in.grads.values(),
+                           *(p.grad for _, p in params if p.grad is not None),
+                           *(t.grad for t in inputs if t is not None and t.grad is not None)]
+                left = None
+                if made is not None and not unwatched:
+                    if ranks is not None:
+                        ranks.settle()  # the engine's collectives let go of their buffers
+                    left = made.held_bytes(ignore=ignored)
+                    if ranks is not None and not ranks.all_agree(not left):
+                        # a worker slower than the barriers: what it let go of since was
+                        # none of the step's
+                        ranks.settle()
+                        left = min(left, made.held_bytes(ignore=ignored))
                 if made is not None and step_held is not None:
                     # Held for backward is what backward let go of: what the forward made and
                     # is still alive after backward is no activation (a pool allocated on

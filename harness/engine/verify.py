@@ -248,7 +248,8 @@ def verify(
         verdict.properties = [PropertyResult(name, None, declined) for name in PROPERTIES]
         return verdict
     clean = global_state.snapshot()
-    tolerance = tolerance or Tolerance(regime=case.dtype)
+    tolerance = tolerance or Tolerance(
+        regime=case.dtype, compute=ranks.compute_dtype if ranks is not None else None)
     reference = REFERENCE if impl.compiled else None  # compiled code is compared to compiled
     try:
         with _caller_rng_untouched(device):
