@@ -100,3 +100,22 @@ def test_collectives_out_of_order_end_as_a_timeout_not_a_stuck_run(
         verdict.error
     monkeypatch.undo()
     assert run(ranks, "partitioned_own_part_first", "ddp").passed  # the ranks start anew
+
+
+def test_the_cause_names_the_rank_whose_re_run_parted_from_its_forward(
+        ranks: RankPool, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Under DDP every rank's gradients differ once one rank's re-run drew rank 0's masks;
+    the rank whose own re-run differs (its first diverging op) is the one the cause names,
+    and the case passes in one process."""
+    from gradequiv.harness.commands.distributed import Found, likely_cause
+
+    monkeypatch.syspath_prepend(str(Path(__file__).parent))  # the check in one process
+    impl = resolve("distributed_impls:rng_from_rank_zero")
+    verdict = ranks.run(CASE, ENGINES["ddp"], impl=impl)
+    assert verdict.failures[0].startswith("rank 0:")  # its averaged gradients differ too
+    assert verdict.evidence[0]["first_diverging_op"] is None
+    diagnosis = likely_cause(impl, Found(CASE, ENGINES["ddp"], verdict))
+    assert diagnosis is not None and diagnosis["cause"] == "rng-not-restored"
+    assert diagnosis["sentence"].endswith(
+        "(rank 1; the same case passes in one process: it goes wrong only across ranks, "
+        "under ddp)")

@@ -68,13 +68,17 @@ class DistributedVerdict:
     error: str | None = None  # a rank's traceback, or the timeout
     seconds: float = 0.0
     verdicts: list[Verdict] = field(default_factory=list)  # by rank
+    #: by rank, where a rank failed: the first diverging op on it (``localise``'s findings)
+    evidence: list[dict[str, Any]] = field(default_factory=list)
     #: why no verdict could be given: full storage itself fails under the engine (the
     #: model's or the engine's fault, never the implementation's)
     unrunnable: str | None = None
 
-    def take(self, verdicts: list[Verdict]) -> None:
-        """The ranks' verdicts: failing ranks first by rank, the properties' own words."""
-        self.verdicts = verdicts
+    def take(self, verdicts: tuple[Verdict, ...], evidence: tuple[dict[str, Any], ...]
+             ) -> None:
+        """The ranks' verdicts, and what each rank's op-level search found where one
+        failed: failing ranks first by rank, the properties' own words."""
+        self.verdicts, self.evidence = list(verdicts), list(evidence)
         self.compared = sum(len(p.checks) for v in verdicts for p in v.properties)
         self.failures = [f"rank {rank}: {v.first_failure}"
                          for rank, v in enumerate(verdicts) if not v.passed]
@@ -256,7 +260,7 @@ class RankPool:
         if verdict.error is not None or verdict.unrunnable is not None:
             self._stop()  # its process group may be mid-collective: a fresh one next case
         else:
-            verdict.take([_load_verdict(p) for p in results])
+            verdict.take(*zip(*(_load_verdict(p) for p in results)))
             for p in results:
                 p.unlink()
         verdict.seconds = time.perf_counter() - started
@@ -283,10 +287,23 @@ class RankPool:
         self._folder.cleanup()
 
 
-def _load_verdict(path: Path) -> Verdict:
+def _load_verdict(path: Path) -> tuple[Verdict, dict[str, Any]]:
     with path.open("rb") as file:
-        verdict: Verdict = pickle.load(file)  # written by this run's own ranks
-    return verdict
+        found: tuple[Verdict, dict[str, Any]] = pickle.load(file)  # this run's own ranks'
+    return found
+
+
+def _evidence(impl: Implementation, case: Case, device: torch.device, setup: RankSetup,
+              verdict: Verdict) -> dict[str, Any]:
+    """Where any rank's verdict failed, this rank's first diverging op (every rank searches
+    together: the search trains the case's first step under the engine again)."""
+    from gradequiv.harness.engine.localise import localise
+
+    if setup.all_agree(verdict.passed):
+        return {}
+    found = localise(impl, case, device, ranks=setup)
+    return {"localisation": found.describe(),
+            "first_diverging_op": found.divergence.to_dict() if found.divergence else None}
 
 
 def _rank_main(rank: int, world_size: int, folder: str, device_type: str, tasks: list[Any],
@@ -335,8 +352,9 @@ def _rank_main(rank: int, world_size: int, folder: str, device_type: str, tasks:
                         f"{exception_line(str(exc))}; a fault of the model under this "
                         f"engine, not of the implementation")
                     continue
+                evidence = _evidence(impl, case, device, setup, verdict)
                 with (out / f".{number}-rank{rank}.pt").open("wb") as file:
-                    pickle.dump(verdict, file)
+                    pickle.dump((verdict, evidence), file)
                 os.replace(out / f".{number}-rank{rank}.pt", out / f"{number}-rank{rank}.pt")
             except Exception:
                 (out / f"{number}-rank{rank}.err").write_text(traceback.format_exc())
@@ -572,24 +590,28 @@ def _say_failure(impl: Implementation, found: Found, world_size: int,
 
 def likely_cause(impl: Implementation, found: Found) -> dict[str, Any] | None:
     """The likely cause of a failure on the ranks, a diagnosis as report.json keeps one
-    (None where no rank gave a verdict: one died or hung). Where the same case fails in one
-    process too, ``check``'s, which has the first diverging op to go by; where it passes
-    there, the failing rank's own evidence read as ``check`` reads a case's, and that it
-    goes wrong only across ranks."""
+    (None where no rank gave a verdict: one died or hung). Read from a failing rank's own
+    evidence as ``check`` reads a case's: first a rank whose re-run itself parted from its
+    forward (its first diverging op: under DDP every rank's gradients differ once one
+    rank's do), and said with the rank; then what ``check`` says of the same case in one
+    process: that it fails there too, or that it goes wrong only across ranks."""
     from gradequiv.harness.reports.report import verdict_diagnosis
 
-    failing = [(rank, v) for rank, v in enumerate(found.verdict.verdicts) if not v.passed]
+    verdict = found.verdict
+    evidence = verdict.evidence or [{} for _ in verdict.verdicts]
+    failing = [(rank, v, evidence[rank]) for rank, v in enumerate(verdict.verdicts)
+               if not v.passed]
     if not failing:
         return None
-    rank, seen = failing[0]
-    diagnosis = verdict_diagnosis(impl, seen, torch.device("cpu")).to_dict()
-    alone, theirs = single_process(impl, found.case)
-    if alone != PASSES_ALONE:
-        diagnosis = theirs or diagnosis
-        diagnosis["sentence"] = f"{alone} (the same case fails in one process too)"
-    else:
+    rank, seen, found_there = next(
+        (f for f in failing if f[2].get("first_diverging_op")), failing[0])
+    diagnosis = verdict_diagnosis(impl, seen, torch.device("cpu"), **found_there).to_dict()
+    alone, _ = single_process(impl, found.case)
+    if alone == PASSES_ALONE:
         diagnosis["sentence"] += (f" (rank {rank}; {PASSES_ALONE}, under "
                                   f"{found.parallel.describe()})")
+    else:
+        diagnosis["sentence"] += f" (rank {rank}; the same case fails in one process too)"
     return diagnosis
 
 

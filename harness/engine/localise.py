@@ -47,6 +47,7 @@ from gradequiv.harness.engine.model_watch import (
     same_values,
     tensor_key,
 )
+from gradequiv.harness.engine.parallel import RankSetup
 from gradequiv.harness.engine.path import build_path
 from gradequiv.harness.implementations.adapters import Implementation
 from gradequiv.models.segments import user_view
@@ -432,14 +433,19 @@ def _same_layout(a: Tensor, b: Tensor) -> bool:
             and a.storage_offset() == b.storage_offset())
 
 
-def localise(impl: Implementation, case: Case, device: str | torch.device = "cpu") -> Localisation:
-    """Run ``case``'s first step through ``impl`` with every segment op recorded; compare."""
+def localise(impl: Implementation, case: Case, device: str | torch.device = "cpu", *,
+             ranks: RankSetup | None = None) -> Localisation:
+    """Run ``case``'s first step through ``impl`` with every segment op recorded; compare.
+    ``ranks``: on one rank of a distributed case, under its engine, on its share (every
+    rank calls it together)."""
     device = torch.device(device)
     if impl.compiled is not None:
         return Localisation(None, f"{impl.spec} recomputes inside a compiled graph, whose fused "
                                   f"kernels leave no op-level record to compare; the op-level "
                                   f"search needs an eager implementation")
     path = build_path(case, device)
+    if ranks is not None:
+        path = ranks.share(path)
     segments = path.segments
     if not segments:
         return Localisation(None, "the case recomputes no segment")
@@ -449,12 +455,14 @@ def localise(impl: Implementation, case: Case, device: str | torch.device = "cpu
         return Localisation(None, f"the implementation raised when applied "
                                   f"({type(exc).__name__}: {exc})")
     path.model.train()
+    call = ranks.wrap(path.model, segments) if ranks is not None else None
     tracker = _Tracker(path.model, {id(s.module): s.name for s in segments},
                        {s.module: s.name for s in segments})
-    path.seed()  # the runner's training stream: the masks the verdict saw
+    # the runner's training stream: the masks the verdict saw (a rank's own)
+    path.seed(ranks.seed_offset if ranks is not None else 0)
     try:
         with _Recorder(tracker):
-            loss = path.forward()[1]
+            loss = path.forward(call)[1]
         tracker.backward = True
         with _Recorder(tracker):
             loss.backward()  # type: ignore[no-untyped-call]  # untyped in torch
