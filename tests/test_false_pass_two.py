@@ -144,7 +144,8 @@ def test_a_suite_that_verifies_nothing_fails_without_hypothesis_s_advice(
     out, err = capfd.readouterr()
     assert code == 1, out + err
     assert "reproduce_failure" not in out and "You can reproduce" not in out, out
-    assert "failed without a verdict: ReferenceFailed: the full-storage path of case" in out
+    assert "failed without a verdict: gradequiv.harness.engine.verify.FullStorageError: the " \
+        "full-storage path of case" in out
     assert "verifies nothing: its loss is nan" in out and "verdict: FAIL" in out
 
 

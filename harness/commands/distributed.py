@@ -34,7 +34,7 @@ from torch.multiprocessing.spawn import start_processes
 
 from gradequiv.harness.engine.case import Case
 from gradequiv.harness.engine.parallel import PAIR, Parallel, RankSetup
-from gradequiv.harness.engine.verify import ReferenceFailed, Verdict, verify
+from gradequiv.harness.engine.verify import FullStorageError, Verdict, verify
 from gradequiv.harness.errors import InvalidArgument, exception_line
 from gradequiv.harness.implementations.adapters import Implementation
 
@@ -345,7 +345,7 @@ def _rank_main(rank: int, world_size: int, folder: str, device_type: str, tasks:
                                   user)
                 try:
                     verdict = verify(impl, case, device=device, ranks=setup)
-                except ReferenceFailed as exc:
+                except FullStorageError as exc:
                     where = str(exc).splitlines()[0].split("; this is")[0]
                     (out / f"{number}-rank{rank}.ref").write_text(
                         f"{where} under {setup.parallel.describe()}: "

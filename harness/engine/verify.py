@@ -74,7 +74,7 @@ SAC_REFUSES_MUTATION = "Tensor cached during selective activation checkpoint has
 PROPERTIES = ("outputs", "gradients", "buffers", "rng", "trajectory", "inference", "recompute")
 
 
-class ReferenceFailed(RuntimeError):
+class FullStorageError(RuntimeError):
     """Full storage itself failed or verifies nothing: a fault of the model (or of the
     engine it trains under), never of the implementation; no verdict is given."""
 
@@ -263,14 +263,14 @@ def verify(
                     verdict.properties = [PropertyResult(name, None, limit)
                                           for name in PROPERTIES]
                     return verdict
-                raise ReferenceFailed(
+                raise FullStorageError(
                     f"the full-storage path of case {case.describe()} failed at "
                     f"{full.error_at}; this is a fault of the model, not of the "
                     f"implementation:\n{full.error}"
                 )
             nothing = non_finite_reference(full.steps[0].loss, full.steps[0].grads)
             if nothing is not None:  # NaN equals nothing: no case verified, no false pass
-                raise ReferenceFailed(
+                raise FullStorageError(
                     f"the full-storage path of case {case.describe()} verifies nothing: "
                     f"{nothing}; this is a fault of the model, not of the implementation")
             global_state.restore(clean)
