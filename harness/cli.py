@@ -193,7 +193,9 @@ def build_parser() -> argparse.ArgumentParser:
                            "--parallelize function (user); ddp and fsdp (both), or every "
                            "one the world size allows but user (all, the default; user "
                            "when --parallelize is given)")
-    dist.add_argument("--world-size", type=_count("--world-size"), default=2, metavar="N")
+    dist.add_argument("--world-size", type=_count("--world-size"), default=2, metavar="N",
+                      help="ranks: drawn cases draw 2 to N of them (shrinking towards 2), "
+                           "--case runs on N (default %(default)s)")
     dist.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
                       help="cpu: gloo; cuda: NCCL, one GPU per rank (default %(default)s)")
     dist.add_argument("--case", default=None, metavar="NAME|JSON|FILE",

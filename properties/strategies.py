@@ -50,6 +50,7 @@ __all__ = [
     "cases",
     "compiled_cases",
     "distributed_cases",
+    "distributed_runs",
     "dropout_regimes",
     "dtype_regimes",
     "external_cases",
@@ -520,6 +521,33 @@ def distributed_cases(*, world_size: int = 2,
     engine = _one_of(engines).flatmap(
         lambda name: sharded(name) if Parallel(name).sharded else st.just(Parallel(name)))
     return st.tuples(drawn.map(trained_so), engine).map(_fit_engine)
+
+
+@_cached
+def distributed_runs(*, max_world_size: int = 2,
+                     engines: tuple[str, ...] = ("ddp", "fsdp", "tp", "fsdp-tp"),
+                     model: str | None = None, device: str = "cpu"
+                     ) -> st.SearchStrategy[tuple[Case, Parallel, int]]:
+    """Return a strategy for a case, its engine and its world size, 2 to ``max_world_size``
+    ranks: :func:`distributed_cases` on a world size drawn first, with the engines of
+    ``engines`` that many ranks can form (tensor parallelism on an even number; the 2-D
+    mesh on pairs of pairs). Shrinks towards the fewest ranks, then as that does."""
+    if max_world_size < 2:
+        raise InvalidArgument(f"max_world_size={max_world_size!r}: at least 2 ranks")
+
+    def usable(world: int) -> tuple[str, ...]:
+        return tuple(e for e in engines if Parallel(e).tensor_parallel(world) == 1
+                     or (world % 2 == 0 and (e != "fsdp-tp" or world >= 4)))
+
+    def on(world: int) -> st.SearchStrategy[tuple[Case, Parallel, int]]:
+        return distributed_cases(world_size=world, engines=usable(world), model=model,
+                                 device=device).map(lambda drawn: (*drawn, world))
+
+    worlds = [w for w in range(2, max_world_size + 1) if usable(w)]
+    if not worlds:
+        raise InvalidArgument(f"engines={engines!r}: none can run on 2 to {max_world_size} "
+                              f"ranks")
+    return _one_of(tuple(worlds)).flatmap(on)
 
 
 def _fit_engine(drawn: tuple[Case, Parallel]) -> tuple[Case, Parallel]:

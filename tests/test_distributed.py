@@ -270,3 +270,17 @@ def test_a_2d_mesh_of_four_ranks_fsdp_over_tensor_parallel_pairs() -> None:
         broken = pool.run(four, Parallel("fsdp-tp", mixed_precision=True), impl=NO_RNG_RESTORE)
     assert not broken.passed and broken.error is None
     assert {line.split(":")[0] for line in broken.failures} == {f"rank {r}" for r in range(4)}
+
+
+@pytest.mark.distributed
+def test_world_sizes_are_drawn_and_a_failure_shrinks_towards_the_fewest_ranks(
+        capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["distributed", "--impl", "torch", "--world-size", "4", "--examples", "6",
+                 "--seed", "1"]) == 0
+    out = capsys.readouterr().out
+    assert "on 2 to 4 ranks" in out and " on 4 ranks: pass" in out and " on 2 ranks: pass" in out
+    assert main(["distributed", "--impl", "torch", "--impl-kwarg", "preserve_rng_state=false",
+                 "--world-size", "4", "--examples", "6", "--seed", "1"]) == 1
+    out = capsys.readouterr().out
+    assert " on 2 ranks\n" in out.split("minimal failure: ")[1].splitlines()[0] + "\n"
+    assert "--world-size 2 --wrapper" in out.split("reproduce: ")[1]

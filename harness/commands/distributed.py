@@ -287,6 +287,35 @@ class RankPool:
         self._folder.cleanup()
 
 
+class RankPools:
+    """A :class:`RankPool` per world size a run trains on, each started on first use and
+    kept for the run (a drawn run may try 2, 3 and 4 ranks)."""
+
+    def __init__(self, impl: Implementation, *, device: str = "cpu", timeout_s: float = 300.0,
+                 parallelize: str | None = None) -> None:
+        self.impl, self.device, self.timeout_s = impl, device, timeout_s
+        self.parallelize = parallelize
+        self._pools: dict[int, RankPool] = {}
+
+    def __enter__(self) -> RankPools:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def run(self, case: Case, parallel: Parallel, world_size: int) -> DistributedVerdict:
+        if world_size not in self._pools:
+            self._pools[world_size] = RankPool(
+                self.impl, world_size=world_size, device=self.device,
+                timeout_s=self.timeout_s, parallelize=self.parallelize)
+        return self._pools[world_size].run(case, parallel)
+
+    def close(self) -> None:
+        for pool in self._pools.values():
+            pool.close()
+        self._pools.clear()
+
+
 def _load_verdict(path: Path) -> tuple[Verdict, dict[str, Any]]:
     with path.open("rb") as file:
         found: tuple[Verdict, dict[str, Any]] = pickle.load(file)  # this run's own ranks'
@@ -386,17 +415,18 @@ class _Failed(Exception):
         self.found = found
 
 
-def search(pool: RankPool, *, engines: tuple[str, ...], model: str | None, examples: int,
-           seed: int, say: Callable[[str], None],
+def search(pools: RankPools, *, max_world_size: int, engines: tuple[str, ...],
+           model: str | None, examples: int, seed: int, say: Callable[[str], None],
            seen: Callable[[Found, bool], None] | None = None) -> tuple[int, Found | None]:
-    """Draw ``examples`` cases (:func:`~gradequiv.properties.strategies.distributed_cases`)
-    and run each on ``pool``'s ranks; shrink a failure (at most :data:`SHRINK_TRIES` more
-    cases). ``seen`` is told of each case run, and whether it was tried while shrinking.
-    How many cases ran, and the smallest failure found (None: every case passed)."""
+    """Draw ``examples`` cases with their engine and world size
+    (:func:`~gradequiv.properties.strategies.distributed_runs`) and run each on its ranks;
+    shrink a failure (at most :data:`SHRINK_TRIES` more cases), towards the fewest ranks.
+    ``seen`` is told of each case run, and whether it was tried while shrinking. How many
+    cases ran, and the smallest failure found (None: every case passed)."""
     from hypothesis import HealthCheck, Phase, Verbosity, given, reject, settings
     from hypothesis import seed as seeded
 
-    from gradequiv.properties.strategies import distributed_cases
+    from gradequiv.properties.strategies import distributed_runs
 
     ran = [0, 0]  # cases run, of them while shrinking
     smallest: list[Found] = []  # each failure is smaller than the last: the shrinker's order
@@ -406,23 +436,24 @@ def search(pool: RankPool, *, engines: tuple[str, ...], model: str | None, examp
               phases=[p for p in Phase if p != Phase.explain],
               suppress_health_check=list(HealthCheck))
     @seeded(seed)
-    @given(drawn=distributed_cases(world_size=pool.world_size, engines=engines, model=model,
-                                   device=pool.device))
-    def one(drawn: tuple[Case, Parallel]) -> None:
-        case, parallel = drawn
+    @given(drawn=distributed_runs(max_world_size=max_world_size, engines=engines,
+                                  model=model, device=pools.device))
+    def one(drawn: tuple[Case, Parallel, int]) -> None:
+        case, parallel, world = drawn
         shrinking = ran[1] > 0
-        if case_refusal(case, pool.world_size) or shrinking and ran[1] > SHRINK_TRIES:
+        if case_refusal(case, world) or shrinking and ran[1] > SHRINK_TRIES:
             reject()
-        verdict = pool.run(case, parallel)
+        verdict = pools.run(case, parallel, world)
+        on = f" on {world} ranks" if max_world_size > 2 else ""
         if verdict.unrunnable is not None:  # no verdict: a case the engine cannot train
-            say(f"[-] {case.describe()}, {parallel.describe()}: {verdict.first_failure}")
+            say(f"[-] {case.describe()}, {parallel.describe()}{on}: {verdict.first_failure}")
             reject()
         if seen is not None:
             seen(Found(case, parallel, verdict), shrinking)
         ran[0] += 1
         ran[1] += shrinking or not verdict.passed
         said = "pass" if verdict.passed else f"FAIL: {verdict.first_failure}"
-        say(f"[{ran[0]}] {case.describe()}, {parallel.describe()}: {said} "
+        say(f"[{ran[0]}] {case.describe()}, {parallel.describe()}{on}: {said} "
             f"({verdict.seconds:.1f} s)")
         if not verdict.passed:
             smallest[:] = [Found(case, parallel, verdict)]
@@ -507,44 +538,45 @@ def run(args: Any) -> int:
     if case is not None and case_refusal(case, args.world_size):
         raise InvalidArgument(f"--case: {case_refusal(case, args.world_size)}")
     backend = "NCCL" if args.device == "cuda" else "gloo"
-    with contextlib.ExitStack() as stack:
+    with contextlib.ExitStack() as stack:  # the report folder locked to the end
         report = RunReport.claim(stack, args, impl) if args.report_dir is not None else None
-        pool = stack.enter_context(RankPool(impl, world_size=args.world_size,
-                                            device=args.device, timeout_s=args.timeout,
-                                            parallelize=args.parallelize))
         seen = report.add if report is not None else None
-        if case is not None:
-            ran, found = _run_one(pool, case, engines, args, backend, seen)
-        else:
-            print(f"gradequiv distributed: {impl.spec} on {args.world_size} ranks ({backend}), "
-                  f"{args.examples} drawn cases under {', '.join(engines)}, seed {args.seed}",
-                  flush=True)
-            ran, found = search(pool, engines=engines, model=args.model,
-                                examples=args.examples, seed=args.seed,
-                                say=lambda line: print(line, flush=True), seen=seen)
-        stack.pop_all().close()  # the ranks end here, the report folder stays locked
+        with RankPools(impl, device=args.device, timeout_s=args.timeout,
+                       parallelize=args.parallelize) as pools:  # the ranks end here
+            if case is not None:
+                ran, found = _run_one(pools, impl, case, engines, args, backend, seen)
+            else:
+                sizes = (f"2 to {args.world_size} ranks" if args.world_size > 2
+                         else f"{args.world_size} ranks")
+                print(f"gradequiv distributed: {impl.spec} on {sizes} ({backend}), "
+                      f"{args.examples} drawn cases under {', '.join(engines)}, "
+                      f"seed {args.seed}", flush=True)
+                ran, found = search(pools, max_world_size=args.world_size, engines=engines,
+                                    model=args.model, examples=args.examples, seed=args.seed,
+                                    say=lambda line: print(line, flush=True), seen=seen)
         diagnosis = None
         if found is None:
             print(f"{ran} case(s) verified on every rank\nverdict: pass")
         else:
             if case is None:
                 print(f"{ran} case(s) run, the last ones shrinking a failure")
-            diagnosis = _say_failure(impl, found, args.world_size, args.parallelize)
+            diagnosis = _say_failure(impl, found, args.parallelize)
         if report is not None:
             report.finish(found, diagnosis)
     return 0 if found is None else 1
 
 
-def _run_one(pool: RankPool, case: Case, engines: tuple[str, ...], args: Any, backend: str,
-             seen: Callable[[Found, bool], None] | None) -> tuple[int, Found | None]:
+def _run_one(pools: RankPools, impl: Implementation, case: Case, engines: tuple[str, ...],
+             args: Any, backend: str, seen: Callable[[Found, bool], None] | None
+             ) -> tuple[int, Found | None]:
     """``--case``: the one case under each engine; the first failure."""
     failed = None
     for engine in engines:
         parallel = Parallel(engine, args.reshard_after_forward,
                             args.mixed_precision and engine in ("fsdp", "fsdp-tp"))
-        print(f"gradequiv distributed: {pool.impl.spec} under {parallel.describe()}, "
+        print(f"gradequiv distributed: {impl.spec} under {parallel.describe()}, "
               f"{args.world_size} ranks ({backend}), {case.describe()}", flush=True)
-        verdict = pool.run(case, parallel)
+        verdict = pools.run(case, parallel, args.world_size)
         if seen is not None:
             seen(Found(case, parallel, verdict), False)
         if verdict.passed:
@@ -569,20 +601,20 @@ def _held(verdict: DistributedVerdict) -> str:
             if said else "no memory watched")
 
 
-def _say_failure(impl: Implementation, found: Found, world_size: int,
+def _say_failure(impl: Implementation, found: Found,
                  parallelize: str | None) -> dict[str, Any] | None:
     """Print the minimal failure, its likely cause and the line that replays it; the
     cause's diagnosis, for the report."""
     verdict = found.verdict
     print(f"minimal failure: {found.case.describe()}, under {found.parallel.describe()} on "
-          f"{world_size} ranks")
+          f"{verdict.world_size} ranks")
     print(f"    {verdict.first_failure}")
     for line in verdict.failures[1:4]:
         print(f"    {line}")
     diagnosis = likely_cause(impl, found)
     if diagnosis is not None:
         print(f"likely cause: {diagnosis['sentence']}")
-    line = reproduce_line(impl, found.case, found.parallel, world_size, parallelize)
+    line = reproduce_line(impl, found.case, found.parallel, verdict.world_size, parallelize)
     print(f"    reproduce: {line}")
     print("verdict: FAIL")
     return diagnosis
@@ -648,7 +680,7 @@ class RunReport:
             self.impl, verdict.verdicts, case=found.case, passed=verdict.passed,
             first_failure=verdict.first_failure, error=verdict.error,
             seconds=verdict.seconds, engine={**found.parallel.to_dict(),
-                                             "world_size": self.args.world_size},
+                                             "world_size": verdict.world_size},
             device=torch.device(self.args.device), reproduce=self._reproduce(found))
         if shrinking:
             record[SHRINK_KEY] = True
@@ -662,8 +694,8 @@ class RunReport:
         write_markdown(self.folder)
 
     def _reproduce(self, found: Found) -> str:
-        return reproduce_line(self.impl, found.case, found.parallel, self.args.world_size,
-                              self.args.parallelize)
+        return reproduce_line(self.impl, found.case, found.parallel,
+                              found.verdict.world_size, self.args.parallelize)
 
     def _write(self, found: Found | None, diagnosis: dict[str, Any] | None, *,
                complete: bool) -> None:
