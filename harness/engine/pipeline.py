@@ -1,0 +1,393 @@
+"""A case trained by torch's own pipeline schedules: the model split into stages by layers,
+the stages placed on ranks, one optimizer step run by ``schedule.step``.
+
+The reference transformer is split as torchtitan's ``pipeline_llm`` splits a decoder: its
+units in call order are the embeddings, the layers the forward calls (the groups, under a
+group granularity: a group is one recompute segment and never spans two stages), then the
+final norm with the head; ``n_stages`` contiguous runs of them, as even as they go, earliest
+stages the larger. Each stage holds the model's own submodules, so the recompute the path
+installed on its segments runs inside the stage, and every stage calls its layers the way
+the model's forward calls them. A boundary carries the residual stream and the embedding
+output ``(x, x0)`` (every layer mixes ``x0`` back in); the padding mask goes to every stage
+by keyword, as the schedule hands each stage the keyword inputs of its rank's ``step``.
+
+Stages sit on ranks as the schedule needs them: one per rank (GPipe, 1F1B), several per
+rank in a loop (stage ``s`` on rank ``s % world_size``: Interleaved1F1B, LoopedBFS,
+InterleavedZeroBubble), or two per rank in a V (ZBVZeroBubble, DualPipeV: rank 0 holds the
+first and the last stage). Everything past the split is torch's: metadata inference on the
+first step, send and receive, the loss on the last stage, the zero-bubble schedules'
+backward split into an input pass and a weight pass, and gradients divided by the number of
+micro-batches (the micro-batches' mean, as the runner's ``loss / n``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any, cast
+
+import torch
+from torch import Tensor, nn
+
+from gradequiv.harness.engine.case import Case
+from gradequiv.harness.engine.path import PreparedPath
+from gradequiv.harness.errors import InvalidArgument
+from gradequiv.models import TransformerConfig
+from gradequiv.models.granularity import LayerGroups
+from gradequiv.models.transformer import Transformer, _run_layer
+
+__all__ = ["PIPELINE_SCHEDULES", "Pipelining", "RankStep", "StagedPath", "pipeline_refusal",
+           "split_stages"]
+
+
+@dataclass(frozen=True)
+class _ScheduleKind:
+    """One of torch's schedules: its class's name, the stages it puts on each rank by
+    default, and how it places them (``loop`` or ``v``)."""
+
+    torch_name: str
+    stages_per_rank: int
+    style: str = "loop"
+    #: the fewest micro-batches it takes, in stages (DualPipeV: one per stage)
+    min_micro_batches_per_stage: int = 0
+    #: whether backward is split into an input pass and a later weight pass (zero bubble)
+    split_backward: bool = False
+
+
+#: torch 2.13's schedules, by the name a case gives them, plainest first.
+PIPELINE_SCHEDULES: dict[str, _ScheduleKind] = {
+    "gpipe": _ScheduleKind("ScheduleGPipe", 1),
+    "1f1b": _ScheduleKind("Schedule1F1B", 1),
+    "interleaved-1f1b": _ScheduleKind("ScheduleInterleaved1F1B", 2),
+    "looped-bfs": _ScheduleKind("ScheduleLoopedBFS", 2),
+    "interleaved-zero-bubble": _ScheduleKind("ScheduleInterleavedZeroBubble", 2,
+                                             split_backward=True),
+    "zbv-zero-bubble": _ScheduleKind("ScheduleZBVZeroBubble", 2, "v", split_backward=True),
+    "dualpipev": _ScheduleKind("ScheduleDualPipeV", 2, "v", min_micro_batches_per_stage=1,
+                               split_backward=True),
+}
+#: the schedules that take exactly one stage per rank, and those that take exactly two
+_SINGLE = ("gpipe", "1f1b")
+_TWO_IN_A_V = ("zbv-zero-bubble", "dualpipev")
+
+
+@dataclass(frozen=True)
+class Pipelining:
+    """How a case is trained through a pipeline: torch's schedule, the micro-batches of one
+    optimizer step, and the stages each rank holds (None: the schedule's own number)."""
+
+    schedule: str = "gpipe"
+    micro_batches: int = 2
+    stages_per_rank: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.schedule not in PIPELINE_SCHEDULES:
+            raise InvalidArgument(f"schedule={self.schedule!r} is not one of "
+                                  f"{', '.join(PIPELINE_SCHEDULES)}")
+        if not isinstance(self.micro_batches, int) or self.micro_batches < 1:
+            raise InvalidArgument(f"micro_batches={self.micro_batches!r}: must be a whole "
+                                  f"number >= 1")
+        per_rank = self.stages_per_rank
+        if per_rank is None:
+            return
+        if not isinstance(per_rank, int) or per_rank < 1:
+            raise InvalidArgument(f"stages_per_rank={per_rank!r}: must be a whole number >= 1")
+        if self.schedule in _SINGLE and per_rank != 1:
+            raise InvalidArgument(f"stages_per_rank={per_rank} under schedule="
+                                  f"{self.schedule!r}: it runs one stage per rank; use 1, or "
+                                  f"an interleaved schedule")
+        if self.schedule in _TWO_IN_A_V and per_rank != 2:
+            raise InvalidArgument(f"stages_per_rank={per_rank} under schedule="
+                                  f"{self.schedule!r}: it runs exactly two stages per rank, "
+                                  f"in a V; use 2")
+
+    @property
+    def per_rank(self) -> int:
+        """The stages each rank holds."""
+        if self.stages_per_rank is not None:
+            return self.stages_per_rank
+        return PIPELINE_SCHEDULES[self.schedule].stages_per_rank
+
+    def n_stages(self, world_size: int) -> int:
+        return self.per_rank * world_size
+
+    def stage_ranks(self, world_size: int) -> dict[int, int]:
+        """Each stage's rank: in a loop (stage ``s`` on rank ``s % world_size``) or, for the
+        V schedules, down the ranks and back (rank 0 holds the first and the last stage)."""
+        n = self.n_stages(world_size)
+        if PIPELINE_SCHEDULES[self.schedule].style == "v":
+            return {s: s if s < world_size else n - 1 - s for s in range(n)}
+        return {s: s % world_size for s in range(n)}
+
+    def describe(self) -> str:
+        return (f"{PIPELINE_SCHEDULES[self.schedule].torch_name}, {self.micro_batches} "
+                f"micro-batches, {self.per_rank} stage(s) per rank")
+
+
+def pipeline_refusal(case: Case, pipelining: Pipelining | None = None,
+                     world_size: int = 2) -> str | None:
+    """Why ``case`` cannot be trained through ``pipelining`` on ``world_size`` ranks, in a
+    sentence that names what to change; None where it can. Without ``pipelining``, only what
+    the case itself rules out, whatever the schedule."""
+    model = case.model
+    if not isinstance(model, TransformerConfig):
+        return (f"model kind {case.model_kind!r}: the pipeline split is the reference "
+                f"transformer's (embeddings, layers, norm and head); a user's model needs a "
+                f"split function of its own")
+    why = _model_refusal(model) or _training_refusal(case)
+    if why or pipelining is None:
+        return why
+    units = _unit_count(case)
+    n = pipelining.n_stages(world_size)
+    if n > units:
+        return (f"{n} stages ({pipelining.per_rank} per rank on {world_size} ranks) out of "
+                f"{units} units (embeddings, {units - 2} layer(s) or group(s) under "
+                f"granularity {case.granularity}, norm and head): a stage needs one at "
+                f"least; use fewer stages per rank, more layers or smaller groups")
+    kind = PIPELINE_SCHEDULES[pipelining.schedule]
+    least = kind.min_micro_batches_per_stage * n
+    if pipelining.micro_batches < least:
+        return (f"micro_batches={pipelining.micro_batches} under {kind.torch_name}: it takes "
+                f"one per stage at least; use micro_batches >= {least}")
+    if kind.split_backward and model.layer_repeats > 1:
+        return (f"layer_repeats={model.layer_repeats} under {kind.torch_name}: its "
+                f"weight pass cannot take the gradient of a weight used twice in one stage "
+                f"(full storage raises 'Trying to backward through the graph a second time' "
+                f"in torch 2.13); use layer_repeats=1 or a schedule without a weight pass")
+    rows = case.batch.batch_size
+    if rows < pipelining.micro_batches:
+        return (f"batch_size={rows} with micro_batches={pipelining.micro_batches}: the "
+                f"schedule splits the batch's rows, one part per micro-batch; use "
+                f"batch_size >= {pipelining.micro_batches}")
+    return None
+
+
+def _model_refusal(model: TransformerConfig) -> str | None:
+    """The reference transformer's knobs that no split by layers can carry."""
+    if model.tie_embeddings:
+        return ("tie_embeddings=true: the token embedding's weight is also the head's, on the "
+                "first and the last stage; torch's schedules neither sum its two gradients "
+                "across ranks nor scale it once where both stages share a rank; use "
+                "tie_embeddings=false")
+    if model.outside_params:
+        return ("outside_params=true: the projection and the gates the model owns are read "
+                "by the layers of every stage, which would each hold a copy whose gradients "
+                "no schedule sums; use outside_params=false")
+    if model.aux_loss:
+        return ("aux_loss=true: the layers' summed aux loss would have to cross every stage "
+                "boundary beside the hidden state to reach the loss on the last stage; use "
+                "aux_loss=false")
+    if model.freeze_embeddings or model.frozen_first_layer:
+        knob = "freeze_embeddings" if model.freeze_embeddings else "frozen_first_layer"
+        return (f"{knob}=true: a stage whose outputs need no gradient sends none back, which "
+                f"torch's stage refuses at its first backward; use {knob}=false")
+    return None
+
+
+def _training_refusal(case: Case) -> str | None:
+    """The training-loop dimensions a schedule replaces: it has its own micro-batches and
+    runs one backward of each itself."""
+    if case.schedule != "one":
+        return (f"schedule={case.schedule!r}: the pipeline's schedule drives the "
+                f"micro-batches; use schedule='one' and name the pipeline's")
+    if case.grad_mode != "backward":
+        return (f"grad_mode={case.grad_mode!r}: torch's schedule runs each micro-batch's "
+                f"backward itself; use grad_mode='backward'")
+    if case.backward_passes != 1 or case.backward_autocast:
+        return ("backward_passes > 1 or backward_autocast: torch's schedule runs each "
+                "micro-batch's backward itself, once, outside autocast; use "
+                "backward_passes=1 and backward_autocast=false")
+    if case.trainable != "all":
+        return (f"trainable={case.trainable!r}: a stage whose outputs need no gradient sends "
+                f"none back, which torch's stage refuses; use trainable='all'")
+    return None
+
+
+def _unit_count(case: Case) -> int:
+    """Embeddings, the layers (or groups) the forward calls, norm and head."""
+    model = cast("TransformerConfig", case.model)
+    granularity = case.granularity
+    layers = model.n_layer
+    if isinstance(granularity, LayerGroups):
+        layers = -(-layers // granularity.size)
+    return layers + 2
+
+
+class _Embeddings(nn.Module):
+    """The model's token and position embeddings and their dropout (the first unit)."""
+
+    def __init__(self, model: Transformer) -> None:
+        super().__init__()
+        self.wte, self.wpe, self.embd_dropout = model.wte, model.wpe, model.embd_dropout
+
+    def forward(self, tokens: Tensor) -> Tensor:
+        pos = torch.arange(tokens.shape[1], device=tokens.device)
+        out: Tensor = self.embd_dropout(self.wte(tokens) + self.wpe(pos))  # (B, T, C)
+        return out
+
+
+class _Head(nn.Module):
+    """The model's final norm and head (the last unit)."""
+
+    def __init__(self, model: Transformer) -> None:
+        super().__init__()
+        self.norm_f, self.lm_head = model.norm_f, model.lm_head
+
+    def forward(self, x: Tensor) -> Tensor:
+        out: Tensor = self.lm_head(self.norm_f(x))  # (B, T, vocab)
+        return out
+
+
+class Stage(nn.Module):
+    """One pipeline stage of the reference transformer: its own run of the model's units,
+    called under the case's autocast. The first stage takes the tokens, the others the
+    previous stage's ``(x, x0)``; the last returns the logits, the others ``(x, x0)``."""
+
+    _model: Transformer
+
+    def __init__(self, model: Transformer, case: Case, units: list[nn.Module],
+                 index: int, count: int) -> None:
+        super().__init__()
+        self.index, self.count = index, count
+        self.embeddings = units[0] if isinstance(units[0], _Embeddings) else None
+        self.head = units[-1] if isinstance(units[-1], _Head) else None
+        self.layers = nn.ModuleList(u for u in units if not isinstance(u, (_Embeddings, _Head)))
+        self._case = case
+        # The model's router and call settings, held outside the module tree: a stage's
+        # parameters are its own units' only.
+        object.__setattr__(self, "_model", model)
+
+    @property
+    def is_first(self) -> bool:
+        return self.index == 0
+
+    @property
+    def is_last(self) -> bool:
+        return self.index == self.count - 1
+
+    def forward(self, *args: Tensor, key_padding_mask: Tensor | None = None
+                ) -> Tensor | tuple[Tensor, Tensor]:
+        model = self._model
+        config = model.config
+        with self._case.autocast(args[0].device):
+            if self.is_first:
+                x0 = cast("_Embeddings", self.embeddings)(args[0])
+                x = x0
+            else:
+                x, x0 = args
+            for layer in self.layers:
+                for _ in range(config.layer_repeats):
+                    x, _ = _run_layer(model.router, layer, x, x0, key_padding_mask,
+                                      x0_keyword=config.x0_keyword, causal=True,
+                                      residual_scale=model.residual_scale,
+                                      nested=config.nested_inputs,
+                                      outputs=config.segment_outputs)
+            if self.is_last:
+                logits: Tensor = cast("_Head", self.head)(x)
+                return logits
+            # x0 leaves as a tensor of its own: a zero-bubble input pass detaches each stage
+            # output in place, and x0 passed on as it came is this stage's input, which its
+            # checkpointed layers would then re-run, in the weight pass, as needing no grad
+            return x, x0.clone()
+
+
+def split_stages(path: PreparedPath, n_stages: int) -> list[Stage]:
+    """The path's model as ``n_stages`` stages, in order (every stage, on every rank: each
+    keeps the ones the schedule places on it). Raises InvalidArgument where the case is
+    refused (``pipeline_refusal``)."""
+    why = pipeline_refusal(path.case)
+    if why:
+        raise InvalidArgument(why)
+    model = cast("Transformer", path.model)
+    grouped = isinstance(path.case.granularity, LayerGroups)
+    layers = [s.module for s in path.segments] if grouped else list(model.blocks)
+    units: list[nn.Module] = [_Embeddings(model), *layers, _Head(model)]
+    if not 1 <= n_stages <= len(units):
+        raise InvalidArgument(f"n_stages={n_stages}: the model has {len(units)} units "
+                              f"(embeddings, {len(layers)} layer(s) or group(s), head); use "
+                              f"1 to {len(units)} stages")
+    base, extra = divmod(len(units), n_stages)
+    stages, start = [], 0
+    for s in range(n_stages):
+        stop = start + base + (s < extra)
+        stages.append(Stage(model, path.case, units[start:stop], s, n_stages))
+        start = stop
+    return stages
+
+
+@dataclass
+class RankStep:
+    """What one optimizer step through the schedule left on this rank, before the optimizer
+    moved the weights."""
+
+    stages: tuple[int, ...]  # the stages this rank holds
+    losses: list[Tensor]  # each micro-batch's loss (unscaled), where the last stage is here
+    # each parameter of this rank's stages, by its name in the whole model (None: no gradient)
+    grads: dict[str, Tensor | None] = field(default_factory=dict)
+
+
+class StagedPath:
+    """A prepared path trained through torch's pipeline schedule on this rank: its stages,
+    the schedule over them and an optimizer over their parameters, built once; ``step``
+    trains one optimizer step. Every rank of ``group`` builds one, with the same case and
+    ``pipelining``, and calls ``step`` at the same points."""
+
+    def __init__(self, path: PreparedPath, pipelining: Pipelining, rank: int,
+                 world_size: int, group: Any = None) -> None:
+        from torch.distributed import pipelining as pp
+
+        from gradequiv.harness.engine.runner import LEARNING_RATE, MOMENTUM
+
+        why = pipeline_refusal(path.case, pipelining, world_size)
+        if why:
+            raise InvalidArgument(why)
+        self.path, self.pipelining = path, pipelining
+        every = split_stages(path, pipelining.n_stages(world_size))
+        placed = pipelining.stage_ranks(world_size)
+        self.stages = [s for s in every if placed[s.index] == rank]
+        torch_stages = [pp.PipelineStage(s, s.index, s.count, path.device, group=group)
+                        for s in self.stages]
+        kind = PIPELINE_SCHEDULES[pipelining.schedule]
+        schedule_class = getattr(pp, kind.torch_name)
+        held = torch_stages[0] if pipelining.schedule in _SINGLE else torch_stages
+        self.schedule = schedule_class(held, pipelining.micro_batches,
+                                       loss_fn=self._loss_fn())
+        named = {id(p): name for name, p in path.model.named_parameters()}
+        self.local_parameters = [(named[id(p)], p) for s in self.stages for p in s.parameters()]
+        self.optimizer = torch.optim.SGD([p for _, p in self.local_parameters], lr=LEARNING_RATE,
+                                         momentum=MOMENTUM)
+
+    def _loss_fn(self) -> Callable[[Any, Tensor], Tensor]:
+        """The workload's loss under the case's autocast, as ``PreparedPath.forward`` takes it."""
+        path = self.path
+
+        def loss_fn(outputs: Any, targets: Tensor) -> Tensor:
+            with path.case.autocast(path.device):
+                return path.workload.loss_fn(outputs, targets)
+
+        return loss_fn
+
+    @property
+    def holds_first(self) -> bool:
+        return any(s.is_first for s in self.stages)
+
+    @property
+    def holds_last(self) -> bool:
+        return any(s.is_last for s in self.stages)
+
+    def step(self) -> RankStep:
+        """One optimizer step: ``schedule.step`` over the whole batch (the tokens where the
+        first stage is, the targets and the losses where the last is, the padding mask on
+        every rank), the gradients kept, then the optimizer's step."""
+        self.optimizer.zero_grad(set_to_none=True)
+        tokens, mask = self.path.inputs
+        args = (tokens,) if self.holds_first else ()
+        kwargs: dict[str, Any] = {} if mask is None else {"key_padding_mask": mask}
+        losses: list[Tensor] | None = [] if self.holds_last else None
+        target = self.path.targets if self.holds_last else None
+        self.schedule.step(*args, target=target, losses=losses, **kwargs)
+        grads = {name: None if p.grad is None else p.grad.detach().clone()
+                 for name, p in self.local_parameters}
+        self.optimizer.step()
+        return RankStep(tuple(s.index for s in self.stages),
+                        [t.detach() for t in losses or []], grads)

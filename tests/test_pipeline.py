@@ -1,0 +1,173 @@
+"""torch's own pipeline schedules on two gloo ranks: the reference transformer split into
+stages, trained by each schedule of torch 2.13, full storage against torch's checkpoint
+(bitwise equal, dropout on), and a checkpoint that does not restore the RNG caught. The ranks
+start once for the module and train every schedule and path in turn."""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from gradequiv.harness import find_case
+from gradequiv.harness.engine.path import prepare
+from gradequiv.harness.engine.pipeline import (
+    PIPELINE_SCHEDULES,
+    Pipelining,
+    pipeline_refusal,
+    split_stages,
+)
+from gradequiv.models import BatchConfig, InvalidArgument
+
+pytestmark = pytest.mark.distributed
+
+# four rows: two micro-batches of two, or four of one; dropout on at every site; untied
+CASE = replace(find_case("4L-group2-dropout-untied"), batch=BatchConfig(4, 8, padding=False))
+PADDED = replace(CASE, batch=BatchConfig(4, 8, padding=True))
+CALM = replace(CASE, model=replace(CASE.model, embd_dropout=0.0, attn_dropout=0.0,
+                                   resid_dropout=0.0, mlp_dropout=0.0))
+PATHS = {"full": None, "torch": {}, "no-rng-restore": {"preserve_rng_state": False}}
+
+
+def _pipelining(schedule: str) -> Pipelining:
+    """Two micro-batches where one stage sits on each rank, four where two do."""
+    return Pipelining(schedule, 2 if PIPELINE_SCHEDULES[schedule].stages_per_rank == 1 else 4)
+
+
+def _rank(rank: int, folder: str) -> None:
+    import torch.distributed as dist
+
+    from gradequiv.harness import resolve
+    from gradequiv.harness.engine.pipeline import StagedPath
+
+    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{folder}/rendezvous", rank=rank,
+                            world_size=2)
+    device = torch.device("cpu")
+    seen: dict[Any, Any] = {}
+    for label, case in (("", CASE), ("padded", PADDED), ("calm", CALM)):
+        for schedule in PIPELINE_SCHEDULES:
+            for name, kwargs in PATHS.items():
+                if label == "calm" and name != "full":
+                    continue
+                impl = None if kwargs is None else resolve("torch", kwargs=kwargs)
+                path = prepare(case, impl, device, seed_offset=rank)
+                staged = StagedPath(path, _pipelining(schedule), rank, 2)
+                seen[label, schedule, name] = [staged.step() for _ in range(case.steps)]
+    torch.save(seen, Path(folder, f"rank{rank}.pt"))
+    dist.destroy_process_group()
+
+
+@pytest.fixture(scope="module")
+def ranks_saw() -> list[dict[Any, Any]]:
+    """What each of two ranks saw, by (case label, schedule, path)."""
+    import torch.multiprocessing as mp
+
+    with tempfile.TemporaryDirectory() as folder:
+        mp.spawn(_rank, args=(folder,), nprocs=2)
+        return [torch.load(Path(folder, f"rank{r}.pt"), weights_only=False) for r in range(2)]
+
+
+def _differences(a: list[Any], b: list[Any]) -> list[str]:
+    """Where two runs of the same steps part: losses and gradients, by step and name."""
+    found = []
+    for step, (x, y) in enumerate(zip(a, b, strict=True), start=1):
+        assert x.stages == y.stages and sorted(x.grads) == sorted(y.grads)
+        assert len(x.losses) == len(y.losses)
+        found += [f"step {step} loss {k}" for k, (p, q) in enumerate(zip(x.losses, y.losses))
+                  if not torch.equal(p, q)]
+        found += [f"step {step} grad of {n}" for n in sorted(x.grads)
+                  if not torch.equal(x.grads[n], y.grads[n])]
+    return found
+
+
+@pytest.mark.parametrize("label", ["", "padded"])
+@pytest.mark.parametrize("schedule", list(PIPELINE_SCHEDULES))
+def test_torch_checkpoint_is_bitwise_full_storage_under_the_schedule(
+        ranks_saw: list[dict[Any, Any]], schedule: str, label: str) -> None:
+    for rank, seen in enumerate(ranks_saw):
+        full, checkpointed = seen[label, schedule, "full"], seen[label, schedule, "torch"]
+        assert _differences(full, checkpointed) == [], f"rank {rank}"
+        assert all(g is not None for g in full[0].grads.values()), f"rank {rank}"
+    # every parameter has its gradient on exactly one rank; the losses on the last stage's
+    names = [set(seen[label, schedule, "full"][0].grads) for seen in ranks_saw]
+    whole = {name for name, _ in prepare(CASE, None, torch.device("cpu")).model.named_parameters()}
+    assert not names[0] & names[1] and names[0] | names[1] == whole
+    losses = [len(seen[label, schedule, "full"][0].losses) for seen in ranks_saw]
+    assert sorted(losses) == [0, _pipelining(schedule).micro_batches]
+
+
+def test_without_rng_restoration_the_masks_differ_under_every_schedule(
+        ranks_saw: list[dict[Any, Any]]) -> None:
+    for schedule in PIPELINE_SCHEDULES:
+        parted = [_differences(seen["", schedule, "full"], seen["", schedule, "no-rng-restore"])
+                  for seen in ranks_saw]
+        assert any(parted), schedule
+
+
+def test_without_dropout_the_split_trains_the_model_as_one_process_does(
+        ranks_saw: list[dict[Any, Any]]) -> None:
+    """The stages compute what the whole model does: the micro-batches' mean loss through
+    the model in one process gives the same gradients, up to rounding (the schedule sums the
+    micro-batches' gradients in another order)."""
+    torch.set_num_threads(1)  # tiny tensors: a second thread only waits for a busy core
+    for schedule in PIPELINE_SCHEDULES:
+        path = prepare(CALM, None, torch.device("cpu"))
+        n = _pipelining(schedule).micro_batches
+        for batch in path.micro_batches() if n == 1 else _split(path, n):
+            (path.forward(batch=batch)[1] / n).backward()
+        whole = dict(path.model.named_parameters())
+        for seen in ranks_saw:
+            for name, grad in seen["calm", schedule, "full"][0].grads.items():
+                torch.testing.assert_close(grad, whole[name].grad, msg=f"{schedule}: {name}")
+
+
+def _split(path: Any, n: int) -> list[Any]:
+    from gradequiv.harness.engine.path import micro_batches
+
+    return micro_batches(path.inputs, path.targets, n)
+
+
+@pytest.mark.parametrize(("change", "names"), [
+    ({"tie_embeddings": True}, "tie_embeddings=true"),
+    ({"aux_loss": True}, "aux_loss=true"),
+    ({"outside_params": True}, "outside_params=true"),
+    ({"frozen_first_layer": True}, "frozen_first_layer=true"),
+])
+def test_what_a_split_by_layers_cannot_carry_is_refused_by_name(
+        change: dict[str, Any], names: str) -> None:
+    case = replace(CASE, model=replace(CASE.model, **change))
+    why = pipeline_refusal(case)
+    assert why is not None and why.startswith(names)
+    with pytest.raises(InvalidArgument, match=names):
+        split_stages(prepare(case, None, torch.device("cpu")), 2)
+
+
+def test_layouts_that_do_not_fit_are_refused_before_any_rank_starts() -> None:
+    assert pipeline_refusal(CASE, Pipelining("gpipe", 2)) is None
+    # group:2 over 4 layers: embeddings, two groups, head; 6 stages on 3 ranks do not fit
+    too_many = pipeline_refusal(CASE, Pipelining("interleaved-1f1b", 4), world_size=3)
+    assert too_many is not None and "6 stages" in too_many
+    assert "micro_batches >= 4" in (pipeline_refusal(CASE, Pipelining("dualpipev", 2)) or "")
+    assert "batch_size=4" in (pipeline_refusal(CASE, Pipelining("gpipe", 8)) or "")
+    shared = replace(CASE, model=replace(CASE.model, layer_repeats=2))
+    assert pipeline_refusal(shared, Pipelining("gpipe", 2)) is None
+    assert "weight pass" in (pipeline_refusal(shared, Pipelining("zbv-zero-bubble", 4)) or "")
+    with pytest.raises(InvalidArgument, match="exactly two stages per rank"):
+        Pipelining("zbv-zero-bubble", 4, stages_per_rank=3)
+
+
+def test_stages_hold_the_models_own_modules_in_call_order() -> None:
+    path = prepare(CASE, None, torch.device("cpu"))
+    stages = split_stages(path, 4)
+    model_params = {id(p) for p in path.model.parameters()}
+    held = [id(p) for s in stages for p in s.parameters()]
+    assert sorted(held) == sorted(model_params)  # each parameter once, the model's own
+    assert [len(s.layers) for s in stages] == [0, 1, 1, 0]  # embeddings, group, group, head
+    assert stages[0].embeddings is not None and stages[-1].head is not None
