@@ -212,6 +212,10 @@ def build_parser() -> argparse.ArgumentParser:
     dist.add_argument("--reshard-after-forward", type=_reshard, default=True,
                       metavar="true|false|N",
                       help="FSDP2's reshard_after_forward for --case (drawn cases draw it)")
+    dist.add_argument("--model-parallel", action="store_true",
+                      help="your --parallelize set-up is model-parallel over the whole mesh: "
+                           "every rank trains the same rows with the same masks (needed by "
+                           "--impl deepspeed-partitioned)")
     dist.add_argument("--mixed-precision", action="store_true",
                       help="FSDP2's MixedPrecisionPolicy (bf16 parameters, fp32 reduce) for "
                            "--case (drawn cases draw it)")

@@ -490,14 +490,16 @@ RESHARD_MODES: tuple[bool | int, ...] = (True, False, 2)
 @_cached
 def distributed_cases(*, world_size: int = 2,
                       engines: tuple[str, ...] = ("ddp", "fsdp", "tp"),
-                      model: str | None = None, device: str = "cpu"
+                      model: str | None = None, device: str = "cpu",
+                      model_parallel: bool = False
                       ) -> st.SearchStrategy[tuple[Case, Parallel]]:
     """Return a strategy for cases trained on ``world_size`` ranks, with their engine: the
     cases :func:`cases` (or :func:`external_cases` of ``model``) draws, trained one
     forward and one ``loss.backward()`` a step with every parameter training, at least a
     sample a rank; the engine among ``engines`` and, under FSDP2, its reshard mode and
-    whether its mixed-precision policy is on. Shrinks towards the first engine, resharding
-    after forward, full precision and the cheapest case."""
+    whether its mixed-precision policy is on (``model_parallel``: the user's set-up shares
+    rows across every rank). Shrinks towards the first engine, resharding after forward,
+    full precision and the cheapest case."""
     if world_size < 2:
         raise InvalidArgument(f"world_size={world_size!r}: at least 2 ranks")
     drawn = (external_cases(model, device=device, modes=("backward",)) if model is not None
@@ -518,15 +520,19 @@ def distributed_cases(*, world_size: int = 2,
         return st.tuples(_one_of(modes), st.booleans()).map(
             lambda drawn: Parallel(name, *drawn))
 
+    def plain(name: str) -> Parallel:
+        return Parallel(name, model_parallel=model_parallel and name == "user")
+
     engine = _one_of(engines).flatmap(
-        lambda name: sharded(name) if Parallel(name).sharded else st.just(Parallel(name)))
+        lambda name: sharded(name) if Parallel(name).sharded else st.just(plain(name)))
     return st.tuples(drawn.map(trained_so), engine).map(_fit_engine)
 
 
 @_cached
 def distributed_runs(*, max_world_size: int = 2,
                      engines: tuple[str, ...] = ("ddp", "fsdp", "tp", "fsdp-tp"),
-                     model: str | None = None, device: str = "cpu"
+                     model: str | None = None, device: str = "cpu",
+                     model_parallel: bool = False
                      ) -> st.SearchStrategy[tuple[Case, Parallel, int]]:
     """Return a strategy for a case, its engine and its world size, 2 to ``max_world_size``
     ranks: :func:`distributed_cases` on a world size drawn first, with the engines of
@@ -541,7 +547,8 @@ def distributed_runs(*, max_world_size: int = 2,
 
     def on(world: int) -> st.SearchStrategy[tuple[Case, Parallel, int]]:
         return distributed_cases(world_size=world, engines=usable(world), model=model,
-                                 device=device).map(lambda drawn: (*drawn, world))
+                                 device=device, model_parallel=model_parallel
+                                 ).map(lambda drawn: (*drawn, world))
 
     worlds = [w for w in range(2, max_world_size + 1) if usable(w)]
     if not worlds:

@@ -24,4 +24,10 @@ def ddp_wrapped(model: Any, mesh: Any) -> Any:
     return DistributedDataParallel(model)
 
 
+def replicated(model: Any, mesh: Any) -> Any:
+    """Every rank keeps the whole model and trains the same rows (``--model-parallel``): the
+    model-parallel group DeepSpeed's partitioned activations split their saved inputs over."""
+    return model
+
+
 NOT_A_FUNCTION = 3

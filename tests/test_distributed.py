@@ -284,3 +284,32 @@ def test_world_sizes_are_drawn_and_a_failure_shrinks_towards_the_fewest_ranks(
     out = capsys.readouterr().out
     assert " on 2 ranks\n" in out.split("minimal failure: ")[1].splitlines()[0] + "\n"
     assert "--world-size 2 --wrapper" in out.split("reproduce: ")[1]
+
+
+@pytest.mark.distributed
+def test_deepspeed_partitioned_activations_over_a_model_parallel_group_of_two(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """DeepSpeed's own checkpoint with ``partition_activations`` (each rank keeps half of
+    every saved input, all-gathered in backward) over a model-parallel group of both ranks,
+    on a user's model whose set-up gives every rank the same rows: the re-run's values,
+    gradients, buffers, RNG and later steps equal full storage's on both ranks. What the
+    recompute property says of its memory is reported, not pinned here: one segment input's
+    bytes stay alive past backward on the recompute path, DeepSpeed's or the count's, not
+    yet told apart."""
+    pytest.importorskip("deepspeed")
+    from gradequiv.harness.engine.case import Case
+    from gradequiv.models import ExternalConfig
+
+    monkeypatch.syspath_prepend(str(Path(__file__).parent))
+    monkeypatch.setenv("PYTHONPATH", str(Path(__file__).parent))
+    case = Case(model=ExternalConfig("user_models:residual_stack"), dtype="fp32")
+    with RankPool(resolve("deepspeed-partitioned"), world_size=2,
+                  parallelize="parallel_setups:replicated") as pool:
+        verdict = pool.run(case, Parallel("user", model_parallel=True))
+        broken = pool.run(case, Parallel("user"))  # ranks of other rows: nothing to gather
+    assert verdict.error is None and len(verdict.verdicts) == 2
+    for rank in verdict.verdicts:
+        values = [p for p in rank.properties if p.name != "recompute"]
+        assert all(p.passed is not False for p in values), rank.first_failure
+        assert sum(len(p.checks) for p in values) > 0
+    assert not broken.passed

@@ -417,7 +417,8 @@ class _Failed(Exception):
 
 def search(pools: RankPools, *, max_world_size: int, engines: tuple[str, ...],
            model: str | None, examples: int, seed: int, say: Callable[[str], None],
-           seen: Callable[[Found, bool], None] | None = None) -> tuple[int, Found | None]:
+           seen: Callable[[Found, bool], None] | None = None, model_parallel: bool = False
+           ) -> tuple[int, Found | None]:
     """Draw ``examples`` cases with their engine and world size
     (:func:`~gradequiv.properties.strategies.distributed_runs`) and run each on its ranks;
     shrink a failure (at most :data:`SHRINK_TRIES` more cases), towards the fewest ranks.
@@ -437,7 +438,8 @@ def search(pools: RankPools, *, max_world_size: int, engines: tuple[str, ...],
               suppress_health_check=list(HealthCheck))
     @seeded(seed)
     @given(drawn=distributed_runs(max_world_size=max_world_size, engines=engines,
-                                  model=model, device=pools.device))
+                                  model=model, device=pools.device,
+                                  model_parallel=model_parallel))
     def one(drawn: tuple[Case, Parallel, int]) -> None:
         case, parallel, world = drawn
         shrinking = ran[1] > 0
@@ -467,8 +469,10 @@ def search(pools: RankPools, *, max_world_size: int, engines: tuple[str, ...],
     return ran[0], smallest[0] if smallest else None
 
 
-#: what :func:`single_process_cause` says of a case that passes in one process
+#: what :func:`single_process` says of a case that passes in one process
 PASSES_ALONE = "the same case passes in one process: it goes wrong only across ranks"
+#: ... and of an implementation that runs on ranks only (DeepSpeed's partitioning)
+RANKS_ONLY = "it runs on ranks only: not checked in one process"
 
 
 def single_process(impl: Implementation, case: Case) -> tuple[str, dict[str, Any] | None]:
@@ -481,6 +485,8 @@ def single_process(impl: Implementation, case: Case) -> tuple[str, dict[str, Any
     from gradequiv.harness.commands import check
     from gradequiv.harness.options import check_options
 
+    if getattr(impl.target, "gradequiv_needs_ranks", False):
+        return RANKS_ONLY, None
     named = impl.command_args()  # --impl SPEC [--adapter A] [--impl-kwarg K=V ...]
     kwargs = [value for flag, value in zip(named, named[1:]) if flag == "--impl-kwarg"]
     with tempfile.TemporaryDirectory(prefix="gradequiv-dist-cause-") as folder:
@@ -511,6 +517,8 @@ def reproduce_line(impl: Implementation, case: Case, parallel: Parallel, world_s
         words += ["--reshard-after-forward", str(parallel.reshard_after_forward).lower()]
     if parallel.mixed_precision:
         words += ["--mixed-precision"]
+    if parallel.model_parallel:
+        words += ["--model-parallel"]
     if parallelize is not None:
         words += ["--parallelize", parallelize]
     words += ["--case", case.to_json()]
@@ -530,6 +538,10 @@ def run(args: Any) -> int:
     engines = engines_for(args.wrapper, args.world_size)
     if args.parallelize is not None and args.wrapper in WRAPPER_GROUPS:
         engines = ("user",)
+    if args.model_parallel and args.parallelize is None:
+        raise InvalidArgument("--model-parallel says what your --parallelize set-up does: "
+                              "give --parallelize MODULE:FUNCTION too (the harness's own "
+                              "tensor parallelism is --wrapper tp)")
     if "user" in engines and args.parallelize is None:
         raise InvalidArgument("--wrapper=user needs --parallelize MODULE:FUNCTION, your "
                               "function (model, mesh) -> model")
@@ -553,7 +565,8 @@ def run(args: Any) -> int:
                       f"seed {args.seed}", flush=True)
                 ran, found = search(pools, max_world_size=args.world_size, engines=engines,
                                     model=args.model, examples=args.examples, seed=args.seed,
-                                    say=lambda line: print(line, flush=True), seen=seen)
+                                    say=lambda line: print(line, flush=True), seen=seen,
+                                    model_parallel=args.model_parallel)
         diagnosis = None
         if found is None:
             print(f"{ran} case(s) verified on every rank\nverdict: pass")
@@ -573,7 +586,8 @@ def _run_one(pools: RankPools, impl: Implementation, case: Case, engines: tuple[
     failed = None
     for engine in engines:
         parallel = Parallel(engine, args.reshard_after_forward,
-                            args.mixed_precision and engine in ("fsdp", "fsdp-tp"))
+                            args.mixed_precision and engine in ("fsdp", "fsdp-tp"),
+                            args.model_parallel and engine == "user")
         print(f"gradequiv distributed: {impl.spec} under {parallel.describe()}, "
               f"{args.world_size} ranks ({backend}), {case.describe()}", flush=True)
         verdict = pools.run(case, parallel, args.world_size)
@@ -642,6 +656,8 @@ def likely_cause(impl: Implementation, found: Found) -> dict[str, Any] | None:
     if alone == PASSES_ALONE:
         diagnosis["sentence"] += (f" (rank {rank}; {PASSES_ALONE}, under "
                                   f"{found.parallel.describe()})")
+    elif alone == RANKS_ONLY:
+        diagnosis["sentence"] += f" (rank {rank}; {RANKS_ONLY})"
     else:
         diagnosis["sentence"] += f" (rank {rank}; the same case fails in one process too)"
     return diagnosis

@@ -45,10 +45,18 @@ class Parallel:
     #: FSDP2's ``MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32)``: the forward
     #: and its re-run compute with bf16 copies of the parameters that FSDP casts at gather
     mixed_precision: bool = False
+    #: the user's set-up is model-parallel over the whole mesh (``--model-parallel``): every
+    #: rank trains the same rows with the same masks, as the ranks of a tensor-parallel
+    #: group do (what DeepSpeed's partitioned activations assume of their group)
+    model_parallel: bool = False
 
     def __post_init__(self) -> None:
         if self.engine not in ENGINES:
             raise InvalidArgument(f"engine={self.engine!r} is not one of {', '.join(ENGINES)}")
+        if self.model_parallel and self.engine != "user":
+            raise InvalidArgument(f"model_parallel=True under engine={self.engine!r}: it says "
+                                  f"what a --parallelize set-up does; the harness's engines "
+                                  f"know their own (tp shares rows by itself)")
         if self.mixed_precision and not self.sharded:
             raise InvalidArgument(f"mixed_precision=True under engine={self.engine!r}: the "
                                   f"policy is FSDP2's; use engine='fsdp' or 'fsdp-tp'")
@@ -66,6 +74,8 @@ class Parallel:
 
     def tensor_parallel(self, world_size: int) -> int:
         """Ranks in one tensor-parallel group: they share rows of the batch and masks."""
+        if self.model_parallel:
+            return world_size
         return {"tp": world_size, "fsdp-tp": PAIR}.get(self.engine, 1)
 
     def describe(self) -> str:
@@ -77,6 +87,8 @@ class Parallel:
         if self.engine == "fsdp-tp":
             return (f"fsdp-tp (2-D mesh: tp in pairs, fsdp across them, "
                     f"reshard_after_forward={self.reshard_after_forward}{policy})")
+        if self.model_parallel:
+            return f"{self.engine} (model-parallel: every rank the same rows)"
         return self.engine
 
     def to_dict(self) -> dict[str, Any]:

@@ -30,6 +30,7 @@ EXTRAS = {
     "fairscale": ("fairscale", "fairscale"),
     "deepspeed": ("deepspeed", "deepspeed"),
     "deepspeed-nonreentrant": ("deepspeed", "deepspeed"),
+    "deepspeed-partitioned": ("deepspeed", "deepspeed"),
     "megatron": ("megatron", "megatron-core"),
     "hf": ("hf", "transformers"),
     "diffusers": ("diffusers", "diffusers"),
@@ -113,6 +114,62 @@ def deepspeed_nonreentrant(function: Callable[..., Any], *args: Any, **kwargs: A
     return library.non_reentrant_checkpoint(call, *inputs)
 
 
+def deepspeed_partitioned(function: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+    """deepspeed.checkpointing.checkpoint with ``partition_activations``: each rank of the
+    model-parallel group keeps its part of every checkpointed input and all-gathers them in
+    backward. Configured once per process, as Megatron-DeepSpeed configures it, with an
+    ``mpu`` whose model-parallel group is every rank of the run: ranks that share their
+    rows (``gradequiv distributed --model-parallel``, or tensor parallelism). It needs the
+    ranks' process group, so it runs under ``gradequiv distributed`` only."""
+    library = _deepspeed_checkpointing("deepspeed-partitioned")
+    _partitioning(library)
+    return library.checkpoint(function, *args, **kwargs)
+
+
+deepspeed_partitioned.gradequiv_needs_ranks = True  # type: ignore[attr-defined]
+
+
+class _WholeWorld:
+    """DeepSpeed's ``mpu`` over every rank: the model-parallel group is the world."""
+
+    def get_model_parallel_rank(self) -> int:
+        return int(torch.distributed.get_rank())
+
+    def get_model_parallel_world_size(self) -> int:
+        return int(torch.distributed.get_world_size())
+
+    def get_model_parallel_group(self) -> Any:
+        return torch.distributed.group.WORLD
+
+    get_tensor_model_parallel_rank = get_model_parallel_rank
+    get_tensor_model_parallel_world_size = get_model_parallel_world_size
+    get_tensor_model_parallel_group = get_model_parallel_group
+
+    def get_data_parallel_rank(self) -> int:
+        return 0
+
+
+#: DeepSpeed's checkpointing, once configured in this process (a rank configures it once)
+_CONFIGURED: list[ModuleType] = []
+
+
+def _partitioning(library: ModuleType) -> None:
+    """DeepSpeed's checkpointing configured to partition over every rank, once a process."""
+    if _CONFIGURED:
+        return
+    if not torch.distributed.is_initialized():
+        raise InvalidArgument(
+            "--impl='deepspeed-partitioned' partitions activations across the ranks of a "
+            "model-parallel group: run it with gradequiv distributed --model-parallel (or "
+            "--wrapper tp), not in one process")
+    deepspeed = _library("deepspeed-partitioned", "deepspeed")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        deepspeed.init_distributed(torch.distributed.get_backend(), auto_mpi_discovery=False)
+        library.configure(_WholeWorld(), partition_activations=True, checkpoint_in_cpu=False)
+    _CONFIGURED.append(library)
+
+
 # -- Megatron-core --------------------------------------------------------------------------
 
 def _megatron() -> ModuleType:
@@ -163,7 +220,7 @@ def require(spec: str) -> None:
     """
     if spec == "fairscale":
         _library(spec, "fairscale.nn.checkpoint")
-    elif spec in ("deepspeed", "deepspeed-nonreentrant"):
+    elif spec in ("deepspeed", "deepspeed-nonreentrant", "deepspeed-partitioned"):
         _deepspeed_checkpointing(spec)
     elif spec == "megatron":
         _megatron()

@@ -39,6 +39,7 @@ BUILTINS: dict[str, tuple[str, str]] = {
     "fairscale": ("libraries:fairscale_wrapper", "wrapper"),
     "deepspeed": ("libraries:deepspeed_checkpoint", "function"),
     "deepspeed-nonreentrant": ("libraries:deepspeed_nonreentrant", "function"),
+    "deepspeed-partitioned": ("libraries:deepspeed_partitioned", "function"),
     "megatron": ("libraries:megatron_checkpoint", "function"),
     "hf": ("libraries:hf_gradient_checkpointing", "toggle"),
     "diffusers": ("libraries:diffusers_gradient_checkpointing", "toggle"),
