@@ -292,10 +292,10 @@ def test_deepspeed_partitioned_activations_over_a_model_parallel_group_of_two(
     """DeepSpeed's own checkpoint with ``partition_activations`` (each rank keeps half of
     every saved input, all-gathered in backward) over a model-parallel group of both ranks,
     on a user's model whose set-up gives every rank the same rows: the re-run's values,
-    gradients, buffers, RNG and later steps equal full storage's on both ranks. What the
-    recompute property says of its memory is reported, not pinned here: one segment input's
-    bytes stay alive past backward on the recompute path, DeepSpeed's or the count's, not
-    yet told apart."""
+    gradients, buffers, RNG and later steps equal full storage's on both ranks. Its memory is
+    the recompute property's to judge, not pinned here: an activation of the checkpointed
+    layers stays alive past backward until the next step, held outside the harness
+    (docs/reference.md, "Under data parallelism")."""
     pytest.importorskip("deepspeed")
     from gradequiv.harness.engine.case import Case
     from gradequiv.models import ExternalConfig
