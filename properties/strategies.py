@@ -560,8 +560,12 @@ def distributed_runs(*, max_world_size: int = 2,
 def _fit_engine(drawn: tuple[Case, Parallel]) -> tuple[Case, Parallel]:
     """The case as the engine can train it: tensor parallelism hands the sharded MLP's
     output on as a view of a DTensor's local tensor, which autograd refuses to see changed
-    in place (the model's in-place dropout and ReLU: Megatron-style code has none there)."""
+    in place (the model's in-place dropout and ReLU: Megatron-style code has none there);
+    FSDP2's bf16 policy is the case's precision (an autocast or a cast model beside it
+    meets bf16 parameters with other dtypes, which torch's CPU kernels refuse)."""
     case, parallel = drawn
+    if parallel.mixed_precision and case.dtype != "fp32":
+        case = replace(case, dtype="fp32")
     if parallel.tensor_parallel(2) > 1 and isinstance(case.model, TransformerConfig) \
             and case.model.inplace_ops:
         case = replace(case, model=replace(case.model, inplace_ops=False))

@@ -182,7 +182,8 @@ def test_a_run_writes_report_json_as_check_does_with_each_ranks_verdict(
     assert report["command"] == "distributed" and report["verdict"] == "pass"
     [record] = report["cases"]
     assert record["engine"] == {"engine": "fsdp", "reshard_after_forward": True,
-                                "mixed_precision": False, "world_size": 2}
+                                "mixed_precision": False, "model_parallel": False,
+                                "world_size": 2}
     assert [r["rank"] for r in record["ranks"]] == [0, 1]
     assert all(r["held_bytes"]["recompute"] < r["held_bytes"]["full"] for r in record["ranks"])
     assert main(["report", str(passing), "--fail-on-verdict"]) == 0
@@ -223,6 +224,14 @@ def test_a_case_the_engine_cannot_train_is_no_verdict_on_the_implementation(
         assert not case_and_engine[0].model.inplace_ops
 
     drawn()
+
+    @settings(max_examples=60, database=None, deadline=None)  # the bf16 policy is the case's
+    @given(distributed_cases(engines=("fsdp",)))  # precision: no autocast or cast beside it
+    def sharded(case_and_engine: tuple) -> None:
+        case, parallel = case_and_engine
+        assert case.dtype == "fp32" or not parallel.mixed_precision
+
+    sharded()
 
 
 @pytest.mark.distributed

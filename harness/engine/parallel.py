@@ -245,10 +245,12 @@ class RankSetup:
                             self.device_type)
 
     @staticmethod
-    def whole(t: Tensor) -> Tensor:
-        """The whole tensor on this rank (FSDP keeps shards: gathered, a collective every
-        rank makes at the same point)."""
-        return t.full_tensor() if hasattr(t, "full_tensor") else t
+    def whole(tensors: list[Tensor | None]) -> list[Tensor | None]:
+        """The whole tensors on this rank (FSDP2 and DTensor keep shards: gathered, every
+        rank at the same point, one tensor after another)."""
+        from torch.distributed.tensor import DTensor
+
+        return [t.full_tensor() if isinstance(t, DTensor) else t for t in tensors]
 
     @property
     def compute_dtype(self) -> Any:

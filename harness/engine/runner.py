@@ -331,7 +331,8 @@ def run_path(
                     run.steps[-1].uses = {n: list(c) for n, c in uses.uses.items()}
                 where = f"step {step} optimizer"
                 optimizer.step()
-            run.params = {n: whole(p.detach()) for n, p in params}
+            weights = whole([p.detach() for _, p in params])
+            run.params = {n: w for (n, _), w in zip(params, weights) if w is not None}
         except Exception:
             run.error, run.error_at = traceback.format_exc(), where
         except SystemExit as exc:  # the implementation asked the process to end: its fault
@@ -629,7 +630,8 @@ def _record(
     model: nn.Module, params: list[tuple[str, nn.Parameter]], inputs: tuple[Tensor | None, ...],
     kept: list[Tensor], grads_in: dict[str, Tensor], calls: dict[str, list[int]],
     device: torch.device, touched: list[str], left: int | None,
-    names: UserNames | None = None, whole: Callable[[Tensor], Tensor] | None = None,
+    names: UserNames | None = None,
+    whole: Callable[[list[Tensor | None]], list[Tensor | None]] | None = None,
 ) -> StepRecord:
     """Keep this step's observations; ``kept``: loss and main output of each micro-batch.
 
@@ -637,13 +639,13 @@ def _record(
     output their outputs joined along the batch. Gradients, loss and outputs are kept
     without a copy: ``zero_grad(set_to_none=True)``
     gives the next step fresh gradient tensors, and SGD reads gradients without
-    writing them. Buffers change in place, so they are copied. ``whole``: a sharded
-    gradient made whole (a rank's).
+    writing them. Buffers change in place, so they are copied. ``whole``: sharded
+    gradients made whole (a rank's).
     """
     whole = whole or _as_is
-    grads: dict[str, Tensor | None] = {
-        f"param:{n}": None if p.grad is None else whole(p.grad.detach()) for n, p in params
-    }
+    grads: dict[str, Tensor | None] = dict(zip(
+        [f"param:{n}" for n, _ in params],
+        whole([None if p.grad is None else p.grad.detach() for _, p in params])))
     for label, t in zip(_input_names(model, inputs), inputs):
         if t is not None and t.requires_grad:
             grads[f"input:model:{label}"] = None if t.grad is None else t.grad.detach()
@@ -663,8 +665,8 @@ def _record(
     )
 
 
-def _as_is(t: Tensor) -> Tensor:
-    return t
+def _as_is(tensors: list[Tensor | None]) -> list[Tensor | None]:
+    return tensors
 
 
 def _join(outputs: list[Tensor]) -> Tensor:

@@ -104,14 +104,35 @@ def _p95(values: list[float]) -> float:
     return ordered[min(len(ordered) - 1, round(0.95 * (len(ordered) - 1)))]
 
 
-@pytest.mark.benchmark(group="distributed")
-def test_a_drawn_case_on_two_ranks_against_bare_training(benchmark: Any) -> None:
+def _times(drawn: list[tuple[str, dict[str, Any]]]) -> list[dict[str, Any]]:
     import torch.multiprocessing as mp
 
-    drawn = _drawn(EXAMPLES, seed=0)
     with tempfile.TemporaryDirectory() as folder:
         mp.spawn(_rank, args=(folder, drawn), nprocs=2)
-        times = json.loads(Path(folder, "times.json").read_text())
+        times: list[dict[str, Any]] = json.loads(Path(folder, "times.json").read_text())
+    return times
+
+
+@pytest.mark.benchmark(group="distributed")
+def test_a_wide_case_on_two_ranks_against_bare_training_under_each_engine(
+        benchmark: Any) -> None:
+    """The 4-layer, 128-wide case of ``bench_engine``, under each engine: where the work is
+    the model's, not the harness's fixed cost per op."""
+    from gradequiv.harness import find_case
+    from gradequiv.harness.engine.parallel import Parallel
+
+    case = find_case("4Lx128x64-layer-dropout").to_json()
+    times = _times([(case, Parallel(engine).to_dict()) for engine in ("ddp", "fsdp", "tp")])
+    benchmark.extra_info.update({row["engine"]: {
+        "bare_s": row["bare"], "verify_s": row["verify"],
+        "ratio": row["verify"] / row["bare"]} for row in times})
+    print(json.dumps(benchmark.extra_info, indent=1))
+    benchmark.pedantic(lambda: None, rounds=1)
+
+
+@pytest.mark.benchmark(group="distributed")
+def test_a_drawn_case_on_two_ranks_against_bare_training(benchmark: Any) -> None:
+    times = _times(_drawn(EXAMPLES, seed=0))
     ratios = [row["verify"] / row["bare"] for row in times]
     benchmark.extra_info.update({
         "cases": len(times), "rounds": ROUNDS,
