@@ -1,9 +1,11 @@
-"""Recompute under data parallelism: DDP or FSDP training with and without it, world size N.
+"""Recompute on N ranks: DDP, FSDP2, tensor parallelism, both on a 2-D mesh, or the user's
+own set-up, training with and without it.
 
-Recompute is used together with DDP and sharded data parallelism, and the
+Recompute is used together with data, sharded and tensor parallelism, and the
 combination has its own ways to go wrong: a reentrant checkpoint re-runs a
 segment whose parameters DDP has already marked ready, FSDP must gather
-sharded weights again for the recompute, and each rank draws its own dropout
+sharded weights again for the recompute, dropout in a tensor-parallel region
+draws from a distributed generator, and each replica draws its own dropout
 masks. So each rank runs the case as ``check`` runs it (``verify``: full
 storage, the recompute, the same properties) under the engine, on its share
 of the batch, with gradients and weights made whole where sharded; this
@@ -38,7 +40,8 @@ from gradequiv.harness.engine.verify import FullStorageError, Verdict, verify
 from gradequiv.harness.errors import InvalidArgument, exception_line
 from gradequiv.harness.implementations.adapters import Implementation
 
-__all__ = ["WRAPPERS", "DistributedVerdict", "RankPool", "verify_distributed"]
+__all__ = ["WRAPPERS", "DistributedVerdict", "Found", "RankPool", "RankPools", "likely_cause",
+           "search", "verify_distributed"]
 
 #: the engines the harness sets up itself (``user``: the function ``--parallelize`` names)
 WRAPPERS = ("ddp", "fsdp", "tp", "fsdp-tp")
