@@ -566,7 +566,7 @@ def _fit_engine(drawn: tuple[Case, Parallel]) -> tuple[Case, Parallel]:
     case, parallel = drawn
     if parallel.mixed_precision and case.dtype != "fp32":
         case = replace(case, dtype="fp32")
-    if parallel.tensor_parallel(2) > 1 and isinstance(case.model, TransformerConfig) \
+    if parallel.splits_layers and isinstance(case.model, TransformerConfig) \
             and case.model.inplace_ops:
         case = replace(case, model=replace(case.model, inplace_ops=False))
     return case, parallel

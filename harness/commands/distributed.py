@@ -478,9 +478,9 @@ PASSES_ALONE = "the same case passes in one process: it goes wrong only across r
 RANKS_ONLY = "it runs on ranks only: not checked in one process"
 
 
-def single_process(impl: Implementation, case: Case) -> tuple[str, dict[str, Any] | None]:
-    """What ``check`` says of ``case`` in one process: its likely cause and its diagnosis,
-    or :data:`PASSES_ALONE` and None (what goes wrong then happens only across ranks)."""
+def single_process(impl: Implementation, case: Case) -> str:
+    """What ``check`` says of ``case`` in one process: its likely cause, or
+    :data:`PASSES_ALONE` (what goes wrong then happens only across ranks)."""
     import contextlib
     import io
     import json
@@ -489,7 +489,7 @@ def single_process(impl: Implementation, case: Case) -> tuple[str, dict[str, Any
     from gradequiv.harness.options import check_options
 
     if getattr(impl.target, "gradequiv_needs_ranks", False):
-        return RANKS_ONLY, None
+        return RANKS_ONLY
     named = impl.command_args()  # --impl SPEC [--adapter A] [--impl-kwarg K=V ...]
     kwargs = [value for flag, value in zip(named, named[1:]) if flag == "--impl-kwarg"]
     with tempfile.TemporaryDirectory(prefix="gradequiv-dist-cause-") as folder:
@@ -500,13 +500,12 @@ def single_process(impl: Implementation, case: Case) -> tuple[str, dict[str, Any
                 code = check.run(options)
             report = json.loads((Path(folder) / "report.json").read_text(encoding="utf-8"))
         except Exception as exc:  # the single-process check itself refused: say so, go on
-            return f"not checked in one process ({type(exc).__name__}: {exc})", None
+            return f"not checked in one process ({type(exc).__name__}: {exc})"
     if code == 0:
-        return PASSES_ALONE, None
+        return PASSES_ALONE
     failure = report.get("failure") or {}
-    diagnosis = failure.get("diagnosis")
-    sentence = (diagnosis or {}).get("sentence") or failure.get("message")
-    return str(sentence or "it fails in one process too"), diagnosis
+    sentence = (failure.get("diagnosis") or {}).get("sentence") or failure.get("message")
+    return str(sentence or "it fails in one process too")
 
 
 def reproduce_line(impl: Implementation, case: Case, parallel: Parallel, world_size: int,
@@ -655,7 +654,7 @@ def likely_cause(impl: Implementation, found: Found) -> dict[str, Any] | None:
     rank, seen, found_there = next(
         (f for f in failing if f[2].get("first_diverging_op")), failing[0])
     diagnosis = verdict_diagnosis(impl, seen, torch.device("cpu"), **found_there).to_dict()
-    alone, _ = single_process(impl, found.case)
+    alone = single_process(impl, found.case)
     if alone == PASSES_ALONE:
         diagnosis["sentence"] += (f" (rank {rank}; {PASSES_ALONE}, under "
                                   f"{found.parallel.describe()})")

@@ -72,6 +72,11 @@ class Parallel:
         """Whether FSDP2 shards the parameters (its reshard mode and policy apply)."""
         return self.engine in ("fsdp", "fsdp-tp")
 
+    @property
+    def splits_layers(self) -> bool:
+        """Whether the harness splits each layer's MLP across ranks (its tensor parallelism)."""
+        return self.engine in ("tp", "fsdp-tp")
+
     def tensor_parallel(self, world_size: int) -> int:
         """Ranks in one tensor-parallel group: they share rows of the batch and masks."""
         if self.model_parallel:
