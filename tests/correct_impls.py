@@ -319,3 +319,57 @@ def cleared_leaves_checkpoint(function: Any, *args: Any, **kwargs: Any) -> Any:
 def per_call_trainable_checkpoint(function: Any, *args: Any, **kwargs: Any) -> Any:
     """A fine-tuning wrapper that reads the trainable parameters inside every call."""
     return _per_call(function, args, kwargs, "ctx")
+
+
+class _PartitionedInPlace(torch.autograd.Function):
+    """DeepSpeed's ``partition_activations`` (and Megatron's ``distribute_saved_activations``)
+    on a group of one rank: forward runs the segment without a graph, then swaps each input
+    tensor's storage for a flat copy (the caller's tensor too: ``.data =``, as both do); backward
+    views it whole again, puts it back into the caller's tensor and re-runs under the
+    forward's RNG and autocast state."""
+
+    @staticmethod
+    def forward(ctx: Any, run: Callable[..., Any], reuse: bool, *inputs: torch.Tensor) -> Any:
+        ctx.run, ctx.needs = run, [t.requires_grad for t in inputs]
+        ctx.state = (_rng_state(), _autocast_state())
+        with torch.no_grad():
+            out = run(*inputs)
+        ctx.shapes = [t.shape for t in inputs]
+        freed = [t.data for t in inputs]
+        for t in inputs:
+            t.data = t.detach().contiguous().view(-1).clone()
+        ctx.inputs = inputs
+        if reuse and isinstance(out, torch.Tensor) and freed[0].shape == out.shape \
+                and freed[0].dtype == out.dtype:
+            # the memory the first input let go of hosts the output, as a caching
+            # allocator hands a freed block to the next tensor of its size
+            out = freed[0].copy_(out)
+        return out
+
+    @staticmethod
+    def backward(ctx: Any, *grads: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        for t, shape in zip(ctx.inputs, ctx.shapes):
+            t.data = t.data.view(shape)
+        inputs = [t.detach().requires_grad_(n) for t, n in zip(ctx.inputs, ctx.needs)]
+        with _as_in_forward(*ctx.state), torch.enable_grad():
+            out = ctx.run(*inputs)
+        outs = out if isinstance(out, tuple) else (out,)
+        pairs = [(o, g) for o, g in zip(outs, grads) if o.requires_grad and g is not None]
+        torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs])
+        return (None, None, *(t.grad if n else None for t, n in zip(inputs, ctx.needs)))
+
+
+def partitioned_in_place_checkpoint(function: Any, *args: Any, **kwargs: Any) -> Any:
+    """Reentrant, with each saved input's storage swapped for a flat copy in the caller's own
+    tensor between forward and backward (DeepSpeed's partitioned activations on one rank):
+    for inputs only the next layer reads, as in a plain residual stack."""
+    call, inputs = tensors_positional(function, args, kwargs)
+    return _PartitionedInPlace.apply(call, False, *inputs)
+
+
+def partitioned_reusing_checkpoint(function: Any, *args: Any, **kwargs: Any) -> Any:
+    """``partitioned_in_place_checkpoint`` whose output lives where its first input's storage
+    was: the next segment's input has the address of a tensor still alive (a GPU's caching
+    allocator does this by itself)."""
+    call, inputs = tensors_positional(function, args, kwargs)
+    return _PartitionedInPlace.apply(call, True, *inputs)

@@ -140,3 +140,21 @@ def test_a_users_policy_refusing_an_in_place_op_is_no_fault() -> None:
 
     elsewhere = verify(Implementation("raises", raises), find_case("2L-layer-manual-attn"))
     assert not elsewhere.passed and SAC_REFUSES_MUTATION in (elsewhere.error or "")
+
+
+@pytest.mark.parametrize("spec", ["partitioned_in_place_checkpoint",
+                                  "partitioned_reusing_checkpoint"])
+def test_a_checkpoint_that_swaps_its_inputs_storage_passes(spec: str) -> None:
+    """DeepSpeed's partitioned activations on one rank: each saved input's storage, the
+    caller's input too, is swapped for a flat copy in forward and back in backward. The
+    model's input then points at memory the step made (it is no hold: the input lives on
+    anyway), and where the freed memory hosts the next layer's output that layer's input
+    has the address of a tensor still alive (it is a new input: its gradient is read)."""
+    from gradequiv.models import ExternalConfig
+
+    case = Case(model=ExternalConfig("user_models:residual_stack"), dtype="fp32")
+    verdict = verify(f"correct_impls:{spec}", case)
+    assert verdict.passed, verdict.first_failure
+    gradients = next(p for p in verdict.properties if p.name == "gradients")
+    assert {"grad of input blocks.1:x", "grad of input blocks.2:x"} <= {
+        c.name for c in gradients.checks}

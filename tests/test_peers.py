@@ -38,6 +38,7 @@ def bitwise_pass(verdict: Verdict) -> bool:
 @pytest.mark.parametrize(("spec", "adapter"), [
     ("torch-sac", "function"), ("torch-wrapper", "wrapper"), ("fairscale", "wrapper"),
     ("deepspeed", "function"), ("deepspeed-nonreentrant", "function"), ("megatron", "function"),
+    ("deepspeed-partitioned", "function"), ("deepspeed-partitioned-cpu", "function"),
 ])
 def test_each_library_is_a_builtin_with_its_adapter(spec: str, adapter: str) -> None:
     assert BUILTINS[spec][1] == adapter

@@ -294,8 +294,13 @@ def run_path(
                             touched |= _backward_passes(case, loss, params, inputs, uses,
                                                         _input_names(model, inputs))
                         del loss
+                # The model's inputs live on with or without recompute, whatever storage
+                # they point at now: a checkpoint that partitions its saved inputs in place
+                # (DeepSpeed's partition_activations, Megatron's distribute_saved_activations)
+                # gives the caller's input a new storage of the same size in backward.
                 ignored = [*kept, *grads_in.grads.values(),
                            *(p.grad for _, p in params if p.grad is not None),
+                           *(t for t in inputs if t is not None),
                            *(t.grad for t in inputs if t is not None and t.grad is not None)]
                 left = None
                 if made is not None and not unwatched:
@@ -612,7 +617,10 @@ class _SegmentInputGrads:
                 continue
             key = (value.data_ptr(), value.shape, value.stride(), value.dtype)
             known = self._seen.get(key)
-            if known is not None and known() is not None:
+            seen = known() if known is not None else None
+            # Alive and still over the same memory: a checkpoint that swaps a saved input's
+            # storage for a partition (``.data =``) lets a new tensor take the old address.
+            if seen is not None and seen.data_ptr() == key[0] and seen.shape == key[1]:
                 continue
             self._seen[key] = weakref.ref(value)
             value.register_hook(self._store(f"input:{segment}:{arg}{self.suffix}"))  # type: ignore[no-untyped-call]

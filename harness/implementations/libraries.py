@@ -31,6 +31,7 @@ EXTRAS = {
     "deepspeed": ("deepspeed", "deepspeed"),
     "deepspeed-nonreentrant": ("deepspeed", "deepspeed"),
     "deepspeed-partitioned": ("deepspeed", "deepspeed"),
+    "deepspeed-partitioned-cpu": ("deepspeed", "deepspeed"),
     "megatron": ("megatron", "megatron-core"),
     "hf": ("hf", "transformers"),
     "diffusers": ("diffusers", "diffusers"),
@@ -117,16 +118,25 @@ def deepspeed_nonreentrant(function: Callable[..., Any], *args: Any, **kwargs: A
 def deepspeed_partitioned(function: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
     """deepspeed.checkpointing.checkpoint with ``partition_activations``: each rank of the
     model-parallel group keeps its part of every checkpointed input and all-gathers them in
-    backward. Configured once per process, as Megatron-DeepSpeed configures it, with an
-    ``mpu`` whose model-parallel group is every rank of the run: ranks that share their
-    rows (``gradequiv distributed --model-parallel``, or tensor parallelism). It needs the
+    backward. Configured as Megatron-DeepSpeed configures it, with an ``mpu`` whose
+    model-parallel group is every rank of the run: ranks that share their rows
+    (``gradequiv distributed --model-parallel``, or tensor parallelism). It needs the
     ranks' process group, so it runs under ``gradequiv distributed`` only."""
     library = _deepspeed_checkpointing("deepspeed-partitioned")
-    _partitioning(library)
+    _partitioning(library, "deepspeed-partitioned", in_cpu=False)
+    return library.checkpoint(function, *args, **kwargs)
+
+
+def deepspeed_partitioned_cpu(function: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+    """``deepspeed-partitioned`` with ``cpu_checkpointing``: each rank's part of a saved
+    input is moved to host memory in forward and brought back before the gather."""
+    library = _deepspeed_checkpointing("deepspeed-partitioned-cpu")
+    _partitioning(library, "deepspeed-partitioned-cpu", in_cpu=True)
     return library.checkpoint(function, *args, **kwargs)
 
 
 deepspeed_partitioned.gradequiv_needs_ranks = True  # type: ignore[attr-defined]
+deepspeed_partitioned_cpu.gradequiv_needs_ranks = True  # type: ignore[attr-defined]
 
 
 class _WholeWorld:
@@ -149,25 +159,29 @@ class _WholeWorld:
         return 0
 
 
-#: DeepSpeed's checkpointing, once configured in this process (a rank configures it once)
-_CONFIGURED: list[ModuleType] = []
+#: How DeepSpeed's checkpointing is configured in this process: (library, in_cpu), once
+#: a rank has configured it; configured again only where another setting is asked for.
+_CONFIGURED: list[tuple[ModuleType, bool]] = []
 
 
-def _partitioning(library: ModuleType) -> None:
-    """DeepSpeed's checkpointing configured to partition over every rank, once a process."""
-    if _CONFIGURED:
+def _partitioning(library: ModuleType, spec: str, *, in_cpu: bool) -> None:
+    """DeepSpeed's checkpointing configured to partition over every rank (its saved parts
+    on the host where ``in_cpu``), once a process and setting: ``configure`` resets the
+    module's state, so it is not called per segment."""
+    if _CONFIGURED and _CONFIGURED[-1] == (library, in_cpu):
         return
     if not torch.distributed.is_initialized():
         raise InvalidArgument(
-            "--impl='deepspeed-partitioned' partitions activations across the ranks of a "
+            f"--impl={spec!r} partitions activations across the ranks of a "
             "model-parallel group: run it with gradequiv distributed --model-parallel (or "
             "--wrapper tp), not in one process")
-    deepspeed = _library("deepspeed-partitioned", "deepspeed")
+    deepspeed = _library(spec, "deepspeed")
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        deepspeed.init_distributed(torch.distributed.get_backend(), auto_mpi_discovery=False)
-        library.configure(_WholeWorld(), partition_activations=True, checkpoint_in_cpu=False)
-    _CONFIGURED.append(library)
+        if not _CONFIGURED:
+            deepspeed.init_distributed(torch.distributed.get_backend(), auto_mpi_discovery=False)
+        library.configure(_WholeWorld(), partition_activations=True, checkpoint_in_cpu=in_cpu)
+    _CONFIGURED[:] = [(library, in_cpu)]
 
 
 # -- Megatron-core --------------------------------------------------------------------------
@@ -220,7 +234,8 @@ def require(spec: str) -> None:
     """
     if spec == "fairscale":
         _library(spec, "fairscale.nn.checkpoint")
-    elif spec in ("deepspeed", "deepspeed-nonreentrant", "deepspeed-partitioned"):
+    elif spec in ("deepspeed", "deepspeed-nonreentrant", "deepspeed-partitioned",
+                  "deepspeed-partitioned-cpu"):
         _deepspeed_checkpointing(spec)
     elif spec == "megatron":
         _megatron()

@@ -40,6 +40,7 @@ BUILTINS: dict[str, tuple[str, str]] = {
     "deepspeed": ("libraries:deepspeed_checkpoint", "function"),
     "deepspeed-nonreentrant": ("libraries:deepspeed_nonreentrant", "function"),
     "deepspeed-partitioned": ("libraries:deepspeed_partitioned", "function"),
+    "deepspeed-partitioned-cpu": ("libraries:deepspeed_partitioned_cpu", "function"),
     "megatron": ("libraries:megatron_checkpoint", "function"),
     "hf": ("libraries:hf_gradient_checkpointing", "toggle"),
     "diffusers": ("libraries:diffusers_gradient_checkpointing", "toggle"),
