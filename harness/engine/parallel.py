@@ -251,11 +251,20 @@ class RankSetup:
 
     @staticmethod
     def whole(tensors: list[Tensor | None]) -> list[Tensor | None]:
-        """The whole tensors on this rank (FSDP2 and DTensor keep shards: gathered, every
-        rank at the same point, one tensor after another)."""
-        from torch.distributed.tensor import DTensor
+        """The whole tensors on this rank (FSDP2 and DTensor keep shards), every rank at the
+        same point. Row shards of one mesh dimension (FSDP2's) are gathered in one call for
+        all of them (a gather per tensor was most of a sharded case's time); other layouts
+        one tensor after another."""
+        from torch.distributed.tensor import DTensor, Shard
 
-        return [t.full_tensor() if isinstance(t, DTensor) else t for t in tensors]
+        rows = [i for i, t in enumerate(tensors) if isinstance(t, DTensor)
+                and t.device_mesh.ndim == 1 and tuple(t.placements) == (Shard(0),)]
+        meshes = {id(tensors[i].device_mesh) for i in rows}  # type: ignore[union-attr]
+        out = list(tensors)
+        if rows and len(meshes) == 1:
+            for i, full in zip(rows, _gather_rows([tensors[i] for i in rows])):  # type: ignore[misc]
+                out[i] = full
+        return [t.full_tensor() if isinstance(t, DTensor) else t for t in out]
 
     @property
     def compute_dtype(self) -> Any:
@@ -286,3 +295,40 @@ class RankSetup:
         agreed = torch.tensor([int(flag)], device=device)
         dist.all_reduce(agreed, op=dist.ReduceOp.MIN)
         return bool(agreed.item())
+
+
+def _gather_rows(shards: list[Any]) -> list[Tensor]:
+    """The whole tensors of DTensors sharded by rows over one 1-D mesh, in one all-gather:
+    each rank's rows padded to the most any rank holds (torch.chunk's split, as
+    ``Shard(0)`` makes it), flattened into one buffer per dtype, gathered, cut back."""
+    import torch
+    import torch.distributed as dist
+
+    mesh = shards[0].device_mesh
+    group, world = mesh.get_group(0), mesh.size(0)
+    by_dtype: dict[Any, list[int]] = {}
+    for i, t in enumerate(shards):
+        by_dtype.setdefault(t.dtype, []).append(i)
+    whole: list[Tensor | None] = [None] * len(shards)
+    for dtype, members in by_dtype.items():
+        layouts = []  # (rows each rank holds, the most, elements per row)
+        parts = []
+        for i in members:
+            shape = shards[i].shape
+            held = [len(c) for c in torch.empty(shape[0], device="meta").chunk(world)]
+            held += [0] * (world - len(held))
+            per_row = shape[1:].numel()
+            layouts.append((held, max(held), per_row))
+            local = shards[i].to_local().reshape(-1)
+            parts.append(torch.nn.functional.pad(local, (0, max(held) * per_row - local.numel())))
+        buffer = torch.cat(parts)
+        gathered = [torch.empty_like(buffer) for _ in range(world)]
+        dist.all_gather(gathered, buffer, group=group)
+        offset = 0
+        for i, (held, most, per_row) in zip(members, layouts):
+            size = most * per_row
+            pieces = [gathered[r][offset:offset + held[r] * per_row] for r in range(world)]
+            whole[i] = torch.cat(pieces).view(shards[i].shape)
+            offset += size
+    return whole  # type: ignore[return-value]
+
