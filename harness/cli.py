@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Any, NoReturn
 
 from gradequiv.harness import validate
+from gradequiv.harness.engine.parallel import SCHEDULE_NAMES
 from gradequiv.harness.errors import EXIT_FAIL, EXIT_INTERRUPTED, EXIT_USAGE, InvalidArgument
 from gradequiv.harness.implementations.resolve import BUILTINS
 from gradequiv.harness.options import ADAPTERS, DEVICES, PROFILES, CheckOptions, check_options
@@ -184,15 +185,23 @@ def build_parser() -> argparse.ArgumentParser:
         "distributed", help="DDP / FSDP / tensor-parallel training with and without "
                             "recompute on N ranks")
     _implementation_options(dist)
-    dist.add_argument("--wrapper", choices=("ddp", "fsdp", "tp", "fsdp-tp", "user", "both",
-                                            "all"),
+    dist.add_argument("--wrapper", choices=("ddp", "fsdp", "tp", "fsdp-tp", "pp", "user",
+                                            "both", "all"),
                       default="all",
                       help="the engine: DDP, FSDP2's fully_shard per layer and at the root, "
                            "tensor parallelism with DTensor (tp), both on a 2-D mesh "
-                           "(fsdp-tp: tp in pairs of ranks, 4 ranks or more), your "
+                           "(fsdp-tp: tp in pairs of ranks, 4 ranks or more), torch's "
+                           "pipeline schedules over the model's stages (pp), your "
                            "--parallelize function (user); ddp and fsdp (both), or every "
                            "one the world size allows but user (all, the default; user "
                            "when --parallelize is given)")
+    dist.add_argument("--schedule", choices=SCHEDULE_NAMES, default=None,
+                      help="under pp, the schedule your training runs: drawn cases use it "
+                           "only (default: every one drawn; --case: gpipe)")
+    dist.add_argument("--micro-batches", type=_count("--micro-batches"), default=None,
+                      metavar="N", help="under pp with --case, the micro-batches of a step "
+                                        "(default: one per rank, or per stage where a rank "
+                                        "holds several)")
     dist.add_argument("--world-size", type=_count("--world-size"), default=2, metavar="N",
                       help="ranks: drawn cases draw 2 to N of them (shrinking towards 2), "
                            "--case runs on N (default %(default)s)")
@@ -219,6 +228,10 @@ def build_parser() -> argparse.ArgumentParser:
     dist.add_argument("--mixed-precision", action="store_true",
                       help="FSDP2's MixedPrecisionPolicy (bf16 parameters, fp32 reduce) for "
                            "--case (drawn cases draw it)")
+    dist.add_argument("--sequence-parallel", action="store_true",
+                      help="under tp and fsdp-tp, the norm before each MLP runs on a part of "
+                           "the sequence (torch's SequenceParallel) for --case (drawn cases "
+                           "draw it)")
     dist.add_argument("--timeout", type=_tolerance("--timeout"), default=300.0, metavar="SECONDS",
                       help="kill the ranks after this long (default %(default)s)")
     dist.add_argument("--report-dir", type=Path, default=None, metavar="DIR",

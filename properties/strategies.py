@@ -17,6 +17,7 @@ from hypothesis import strategies as st
 
 from gradequiv.harness.engine.case import Case
 from gradequiv.harness.engine.parallel import Parallel
+from gradequiv.harness.engine.pipeline import PIPELINE_SCHEDULES, Pipelining
 from gradequiv.harness.engine.spread import compile_cases
 from gradequiv.harness.errors import InvalidArgument
 from gradequiv.models import (
@@ -491,7 +492,7 @@ RESHARD_MODES: tuple[bool | int, ...] = (True, False, 2)
 def distributed_cases(*, world_size: int = 2,
                       engines: tuple[str, ...] = ("ddp", "fsdp", "tp"),
                       model: str | None = None, device: str = "cpu",
-                      model_parallel: bool = False
+                      model_parallel: bool = False, schedules: tuple[str, ...] | None = None
                       ) -> st.SearchStrategy[tuple[Case, Parallel]]:
     """Return a strategy for cases trained on ``world_size`` ranks, with their engine: the
     cases :func:`cases` (or :func:`external_cases` of ``model``) draws, trained one
@@ -514,25 +515,55 @@ def distributed_cases(*, world_size: int = 2,
                        backward_autocast=False, trainable="all", inference=False,
                        batch=replace(case.batch, batch_size=rows))
 
+    def sequence(name: str) -> st.SearchStrategy[bool]:
+        return st.booleans() if Parallel(name).splits_layers else st.just(False)
+
     def sharded(name: str) -> st.SearchStrategy[Parallel]:
         shards = world_size // Parallel(name).tensor_parallel(world_size)
         modes = tuple(m for m in RESHARD_MODES if isinstance(m, bool) or shards % m == 0)
-        return st.tuples(_one_of(modes), st.booleans()).map(
-            lambda drawn: Parallel(name, *drawn))
+        return st.tuples(_one_of(modes), st.booleans(), sequence(name)).map(
+            lambda drawn: Parallel(name, drawn[0], drawn[1], sequence_parallel=drawn[2]))
 
-    def plain(name: str) -> Parallel:
-        return Parallel(name, model_parallel=model_parallel and name == "user")
+    def plain(name: str) -> st.SearchStrategy[Parallel]:
+        return sequence(name).map(lambda split: Parallel(
+            name, model_parallel=model_parallel and name == "user", sequence_parallel=split))
 
-    engine = _one_of(engines).flatmap(
-        lambda name: sharded(name) if Parallel(name).sharded else st.just(plain(name)))
-    return st.tuples(drawn.map(trained_so), engine).map(_fit_engine)
+    def piped() -> st.SearchStrategy[Parallel]:
+        return pipelines(world_size, schedules).map(lambda pipe: Parallel("pp", pipeline=pipe))
+
+    def engine_of(name: str) -> st.SearchStrategy[Parallel]:
+        if name == "pp":
+            return piped()
+        return sharded(name) if Parallel(name).sharded else plain(name)
+
+    engine = _one_of(engines).flatmap(engine_of)
+    return st.tuples(drawn.map(trained_so), engine).map(
+        lambda pair: _fit_engine(pair, world_size))
+
+
+@_cached
+def pipelines(world_size: int = 2, schedules: tuple[str, ...] | None = None
+              ) -> st.SearchStrategy[Pipelining]:
+    """Return a strategy for how a case is trained through torch's pipeline schedules on
+    ``world_size`` ranks: the schedule (every one torch 2.13 has; GPipe first, as it
+    shrinks), the stages each rank holds (the schedule's own number) and the micro-batches:
+    one or two per rank under one stage per rank, one per stage under several.
+    ``schedules``: those only (the one a user trains with)."""
+    def micro(schedule: str) -> st.SearchStrategy[Pipelining]:
+        one = Pipelining(schedule, 1)
+        if one.per_rank == 1:
+            return _one_of((world_size, 2 * world_size)).map(
+                lambda n: Pipelining(schedule, n))
+        return st.just(Pipelining(schedule, one.n_stages(world_size)))
+
+    return _one_of(schedules or tuple(PIPELINE_SCHEDULES)).flatmap(micro)
 
 
 @_cached
 def distributed_runs(*, max_world_size: int = 2,
-                     engines: tuple[str, ...] = ("ddp", "fsdp", "tp", "fsdp-tp"),
+                     engines: tuple[str, ...] = ("ddp", "fsdp", "tp", "fsdp-tp", "pp"),
                      model: str | None = None, device: str = "cpu",
-                     model_parallel: bool = False
+                     model_parallel: bool = False, schedules: tuple[str, ...] | None = None
                      ) -> st.SearchStrategy[tuple[Case, Parallel, int]]:
     """Return a strategy for a case, its engine and its world size, 2 to ``max_world_size``
     ranks: :func:`distributed_cases` on a world size drawn first, with the engines of
@@ -542,13 +573,13 @@ def distributed_runs(*, max_world_size: int = 2,
         raise InvalidArgument(f"max_world_size={max_world_size!r}: at least 2 ranks")
 
     def usable(world: int) -> tuple[str, ...]:
-        return tuple(e for e in engines if Parallel(e).tensor_parallel(world) == 1
+        return tuple(e for e in engines if e == "pp" or Parallel(e).tensor_parallel(world) == 1
                      or (world % 2 == 0 and (e != "fsdp-tp" or world >= 4)))
 
     def on(world: int) -> st.SearchStrategy[tuple[Case, Parallel, int]]:
         return distributed_cases(world_size=world, engines=usable(world), model=model,
-                                 device=device, model_parallel=model_parallel
-                                 ).map(lambda drawn: (*drawn, world))
+                                 device=device, model_parallel=model_parallel,
+                                 schedules=schedules).map(lambda drawn: (*drawn, world))
 
     worlds = [w for w in range(2, max_world_size + 1) if usable(w)]
     if not worlds:
@@ -557,16 +588,46 @@ def distributed_runs(*, max_world_size: int = 2,
     return _one_of(tuple(worlds)).flatmap(on)
 
 
-def _fit_engine(drawn: tuple[Case, Parallel]) -> tuple[Case, Parallel]:
+def _fit_engine(drawn: tuple[Case, Parallel], world_size: int = 2) -> tuple[Case, Parallel]:
     """The case as the engine can train it: tensor parallelism hands the sharded MLP's
     output on as a view of a DTensor's local tensor, which autograd refuses to see changed
     in place (the model's in-place dropout and ReLU: Megatron-style code has none there);
     FSDP2's bf16 policy is the case's precision (an autocast or a cast model beside it
-    meets bf16 parameters with other dtypes, which torch's CPU kernels refuse)."""
+    meets bf16 parameters with other dtypes, which torch's CPU kernels refuse); sequence
+    parallelism splits the norm that feeds the MLP, which only pre-norm layers have, and
+    hands the MLP a DTensor, which a plain buffer's running statistics cannot take in, and
+    its norm's parameters become DTensors, which the layers' shared ones cannot be."""
     case, parallel = drawn
     if parallel.mixed_precision and case.dtype != "fp32":
         case = replace(case, dtype="fp32")
     if parallel.splits_layers and isinstance(case.model, TransformerConfig) \
             and case.model.inplace_ops:
         case = replace(case, model=replace(case.model, inplace_ops=False))
+    if parallel.sequence_parallel and isinstance(case.model, TransformerConfig):
+        case = replace(case, model=replace(case.model, norm_position="pre",
+                                           running_stats=False, outside_params=False))
+    if parallel.pipeline is not None and not isinstance(case.model, TransformerConfig):
+        parallel = Parallel("ddp")  # the split by layers is the reference transformer's
+    if parallel.pipeline is not None:
+        case = _fit_pipeline(case, parallel.pipeline, world_size)
     return case, parallel
+
+
+def _fit_pipeline(case: Case, pipelining: Pipelining, world_size: int) -> Case:
+    """The case as torch's schedules can train it split by layers (``pipeline_refusal``):
+    untied embeddings, no parameter or loss shared across stages, each weight used once a
+    stage under a split backward, a stage's worth of layers for every stage, as many rows
+    in every micro-batch."""
+    model = case.model
+    if not isinstance(model, TransformerConfig):
+        return case
+    n_stages = pipelining.n_stages(world_size)
+    per_unit = case.granularity.size if isinstance(case.granularity, LayerGroups) else 1
+    split = PIPELINE_SCHEDULES[pipelining.schedule].split_backward
+    model = replace(model, tie_embeddings=False, outside_params=False, aux_loss=False,
+                    freeze_embeddings=False, frozen_first_layer=False,
+                    layer_repeats=1 if split else model.layer_repeats,
+                    n_layer=max(model.n_layer, (n_stages - 2) * per_unit))
+    micro = pipelining.micro_batches
+    rows = -(-max(case.batch.batch_size, micro) // micro) * micro  # as many in each
+    return replace(case, model=model, batch=replace(case.batch, batch_size=rows))

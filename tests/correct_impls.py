@@ -279,6 +279,17 @@ def _per_call(function: Any, args: tuple[Any, ...], kwargs: dict[str, Any], stor
     """``function`` recomputed in backward; the parameters that train read now, at this
     call (``requires_grad`` is a fact of each call: a layer frozen at one step trains at the
     next), and a segment with nothing to train still passes gradients to its inputs."""
+    run, tensors, params = call_parts(function, args, kwargs)
+    call = _Call(run, store, params, leaves)
+    return _PerCallRecompute.apply(call, *tensors, *params)  # type: ignore[no-untyped-call]
+
+
+def call_parts(function: Any, args: tuple[Any, ...], kwargs: dict[str, Any]
+               ) -> tuple[Callable[[list[torch.Tensor]], Any], list[torch.Tensor],
+                          list[torch.nn.Parameter]]:
+    """A segment call taken apart as a hand-written checkpoint needs it: how to call it on
+    new tensors, its tensor arguments (nested ones too), and the parameters that train at
+    this call (read now: a layer frozen at one step trains at the next)."""
     module = function if isinstance(function, torch.nn.Module) else None
     params = [p for p in module.parameters() if p.requires_grad] if module is not None else []
     flat, spec = tree_flatten((args, kwargs))
@@ -292,8 +303,7 @@ def _per_call(function: Any, args: tuple[Any, ...], kwargs: dict[str, Any], stor
         call_args, call_kwargs = tree_unflatten(filled, spec)
         return function(*call_args, **call_kwargs)
 
-    call = _Call(run, store, params, leaves)
-    return _PerCallRecompute.apply(call, *(flat[i] for i in slots), *params)  # type: ignore[no-untyped-call]
+    return run, [flat[i] for i in slots], params
 
 
 def call_keyed_stash_checkpoint(function: Any, *args: Any, **kwargs: Any) -> Any:

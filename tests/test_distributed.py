@@ -42,14 +42,16 @@ def test_torch_checkpoint_matches_full_storage_under_every_engine(
 def test_drawn_cases_pass_on_two_ranks_under_every_engine_and_reshard_mode(
         capsys: pytest.CaptureFixture[str]) -> None:
     """Drawn as check draws them (dtypes, granularities, dropout, the model's knobs), each
-    under DDP, FSDP2 (every reshard mode, with and without its bf16 policy) or tensor
-    parallelism, the ranks started once for the run."""
-    assert main(["distributed", "--impl", "torch", "--examples", "8", "--seed", "5"]) == 0
+    under DDP, FSDP2 (every reshard mode, with and without its bf16 policy), tensor and
+    sequence parallelism or torch's pipeline schedules, the ranks started once for the run."""
+    assert main(["distributed", "--impl", "torch", "--examples", "10", "--seed", "5"]) == 0
     out = capsys.readouterr().out
-    assert "8 case(s) verified on every rank" in out and out.endswith("verdict: pass\n")
+    assert "10 case(s) verified on every rank" in out and out.endswith("verdict: pass\n")
     assert ", ddp: pass" in out and ", tp (DTensor: MLPs column- then row-wise): pass" in out
-    assert "fsdp (reshard_after_forward=False, bf16 parameters, fp32 reduce): pass" in out
+    assert "sequence-parallel norms): pass" in out
     assert "fsdp (reshard_after_forward=2, bf16 parameters, fp32 reduce): pass" in out
+    assert "pp (ScheduleInterleaved1F1B, 4 micro-batches, 2 stage(s) per rank): pass" in out
+    assert "not checked" not in out
 
 
 @pytest.mark.distributed
@@ -109,12 +111,28 @@ def test_fsdp_keeping_its_parameters_gathered_is_checked_too() -> None:
     Parallel("fsdp", reshard_after_forward=False),  # the re-run meets gathered parameters
     Parallel("tp"),  # dropout in the sharded MLP draws from torch's distributed RNG
     Parallel("fsdp", mixed_precision=True),  # the re-run computes in bf16 too
-], ids=["fsdp-keep-gathered", "tp", "fsdp-bf16"])
+    Parallel("tp", sequence_parallel=True),  # the re-run gathers and scatters the sequence
+], ids=["fsdp-keep-gathered", "tp", "fsdp-bf16", "tp-sequence"])
 def test_every_engine_passes_and_catches_a_lost_rng(ranks: RankPool, parallel: Parallel) -> None:
     assert ranks.run(CASE, parallel).passed
     broken = ranks.run(CASE, parallel, impl=NO_RNG_RESTORE)
     assert not broken.passed and broken.error is None
     assert {line.split(":")[0] for line in broken.failures} == {"rank 0", "rank 1"}
+
+
+@pytest.mark.distributed
+def test_sequence_parallelism_hands_a_segment_its_part_of_the_sequence(ranks: RankPool) -> None:
+    """Under sequence parallelism an MLP segment's input is a DTensor (each rank's part of
+    the sequence): its gradient is gathered whole and compared as any other, on a pre-norm
+    case with RMSNorm and SwiGLU; without RNG restoration the re-run's masks differ."""
+    case = find_case("2L-mlp-swiglu-rmsnorm")
+    parallel = Parallel("tp", sequence_parallel=True)
+    verdict = ranks.run(case, parallel)
+    assert verdict.passed, verdict.failures
+    gradients = next(p for p in verdict.verdicts[0].properties if p.name == "gradients")
+    assert {"grad of input blocks.0.mlp:h", "grad of input blocks.1.mlp:h",
+            "grad of blocks.0.norm_2.weight"} <= {c.name for c in gradients.checks}
+    assert not ranks.run(case, parallel, impl=NO_RNG_RESTORE).passed
 
 
 def test_no_rng_restore_is_caught_on_every_rank(ranks: RankPool) -> None:
@@ -137,7 +155,7 @@ def test_a_hanging_rank_is_killed_and_fails_the_verdict(monkeypatch: pytest.Monk
 
 
 @pytest.mark.parametrize("kwargs, message", [
-    ({"wrapper": "zero3"}, "wrapper='zero3' is not one of ddp, fsdp, tp, fsdp-tp, user"),
+    ({"wrapper": "zero3"}, "wrapper='zero3' is not one of ddp, fsdp, tp, fsdp-tp, pp, user"),
     ({"wrapper": "ddp", "mixed_precision": True}, "the policy is FSDP2's"),
     ({"world_size": 1}, "world_size=1: data parallelism needs at least 2"),
     ({"world_size": 3}, "batch_size=2 < world_size=3"),
@@ -183,6 +201,7 @@ def test_a_run_writes_report_json_as_check_does_with_each_ranks_verdict(
     [record] = report["cases"]
     assert record["engine"] == {"engine": "fsdp", "reshard_after_forward": True,
                                 "mixed_precision": False, "model_parallel": False,
+                                "sequence_parallel": False, "pipeline": None,
                                 "world_size": 2}
     assert [r["rank"] for r in record["ranks"]] == [0, 1]
     assert all(r["held_bytes"]["recompute"] < r["held_bytes"]["full"] for r in record["ranks"])

@@ -171,3 +171,68 @@ def test_stages_hold_the_models_own_modules_in_call_order() -> None:
     assert sorted(held) == sorted(model_params)  # each parameter once, the model's own
     assert [len(s.layers) for s in stages] == [0, 1, 1, 0]  # embeddings, group, group, head
     assert stages[0].embeddings is not None and stages[-1].head is not None
+
+
+# -- through the check's own engine on the ranks (gradequiv distributed --wrapper pp) --------
+
+def _through_check(impl: str, schedules: list[str]) -> dict[str, Any]:
+    """Each schedule's verdict on CASE, as ``gradequiv distributed`` gets it from its ranks."""
+    from gradequiv.harness import resolve
+    from gradequiv.harness.commands.distributed import RankPool
+    from gradequiv.harness.engine.parallel import Parallel
+
+    with RankPool(resolve(impl), world_size=2, timeout_s=120) as pool:
+        return {s: pool.run(CASE, Parallel("pp", pipeline=_pipelining(s))) for s in schedules}
+
+
+def test_the_check_passes_torch_checkpoint_under_every_schedule_with_every_property() -> None:
+    """Every property ``check`` has, on every rank, read from torch's schedule: the loss and
+    the logits from the last stage, each gradient from its stage's rank, the segments'
+    re-runs counted over the ranks (the zero-bubble weight pass asks autograd once per group
+    of parameters, and each such pass may re-run a segment once)."""
+    verdicts = _through_check("torch", list(PIPELINE_SCHEDULES))
+    for schedule, verdict in verdicts.items():
+        assert verdict.passed, (schedule, verdict.error, verdict.failures)
+        for rank in verdict.verdicts:
+            checked = {p.name for p in rank.properties if p.passed}
+            assert {"outputs", "gradients", "trajectory", "recompute"} <= checked, schedule
+
+
+def test_a_stash_per_module_fails_under_the_schedules_and_one_per_call_passes() -> None:
+    schedules = ["gpipe", "1f1b", "zbv-zero-bubble"]
+    wrong = _through_check("pipeline_impls:module_slot_checkpoint", schedules)
+    right = _through_check("correct_impls:call_keyed_stash_checkpoint", schedules)
+    for schedule in schedules:
+        assert not wrong[schedule].passed and wrong[schedule].error is None, schedule
+        assert "gradients: grad of blocks." in wrong[schedule].failures[0], schedule
+        assert right[schedule].passed, (schedule, right[schedule].failures)
+
+
+def test_torch_reentrant_checkpoint_is_refused_by_the_stage_loudly_and_ends_the_case() -> None:
+    """torch's stage runs backward with ``inputs=``, which torch's reentrant checkpoint
+    refuses: the rank that raises ends the case at once with its traceback (its peers would
+    wait on its sends for ever), not after the timeout."""
+    import time
+
+    started = time.monotonic()
+    verdict = _through_check("torch-reentrant", ["gpipe"])["gpipe"]
+    assert not verdict.passed and verdict.error is not None
+    assert "the recompute path raised on rank" in verdict.error
+    assert "use_reentrant=False" in verdict.error
+    assert time.monotonic() - started < 60
+
+
+def test_a_drawn_pipeline_run_names_the_cause_and_replays_the_schedule(
+        capsys: pytest.CaptureFixture[str]) -> None:
+    from gradequiv.harness.cli import main
+
+    assert main(["distributed", "--impl", "torch", "--wrapper", "pp", "--examples", "4",
+                 "--schedule", "1f1b"]) == 0
+    out = capsys.readouterr().out
+    assert out.count("pp (Schedule1F1B") == 4 and out.endswith("verdict: pass\n")
+    assert main(["distributed", "--impl", "torch", "--impl-kwarg", "preserve_rng_state=false",
+                 "--wrapper", "pp", "--examples", "8", "--seed", "3"]) == 1
+    out = capsys.readouterr().out
+    cause = out.split("likely cause: ")[1].splitlines()[0]
+    assert cause.startswith("the recompute does not restore the RNG state")
+    assert "--wrapper pp --schedule " in out.split("reproduce: ")[1]

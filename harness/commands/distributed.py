@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import os
 import pickle
+import signal
 import sys
 import tempfile
 import time
@@ -44,7 +45,7 @@ __all__ = ["WRAPPERS", "DistributedVerdict", "Found", "RankPool", "RankPools", "
            "search", "verify_distributed"]
 
 #: the engines the harness sets up itself (``user``: the function ``--parallelize`` names)
-WRAPPERS = ("ddp", "fsdp", "tp", "fsdp-tp")
+WRAPPERS = ("ddp", "fsdp", "tp", "fsdp-tp", "pp")
 #: what ``--wrapper`` accepts beyond one engine: every engine the harness sets up that the
 #: world size allows (``all``, the default) or the two data-parallel ones (``both``)
 WRAPPER_GROUPS = {"all": WRAPPERS, "both": ("ddp", "fsdp")}
@@ -247,7 +248,8 @@ class RankPool:
                 break
             if time.monotonic() > deadline:
                 verdict.error = (f"the ranks did not finish within {self.timeout_s:.0f} s "
-                                 f"(a collective that never completes?)")
+                                 f"(a collective that never completes?)"
+                                 f"{self._where_ranks_wait()}")
                 break
             dead = [p for p in self._context.processes if not p.is_alive()]
             if dead:
@@ -269,6 +271,18 @@ class RankPool:
         verdict.seconds = time.perf_counter() - started
         verdict.passed = verdict.error is None and not verdict.failures and verdict.compared > 0
         return verdict
+
+    def _where_ranks_wait(self) -> str:
+        """The Python stacks of the ranks still running, each asked for its own (a rank
+        that raised may leave the others waiting on a send or a collective for ever)."""
+        assert self._context is not None
+        for process in self._context.processes:
+            if process.is_alive() and process.pid is not None:
+                os.kill(process.pid, signal.SIGUSR1)
+        time.sleep(0.5)
+        stacks = [f"\n{c.stem}, where it waited:\n{c.read_text(errors='replace').strip()}"
+                  for c in sorted(self._out.glob("rank*.crash")) if c.stat().st_size]
+        return "".join(stacks)
 
     def _stop(self) -> None:
         if self._context is None:
@@ -331,8 +345,8 @@ def _evidence(impl: Implementation, case: Case, device: torch.device, setup: Ran
     together: the search trains the case's first step under the engine again)."""
     from gradequiv.harness.engine.localise import localise
 
-    if setup.all_agree(verdict.passed):
-        return {}
+    if setup.all_agree(verdict.passed) or setup.parallel.pipeline is not None:
+        return {}  # a pipeline's op-level search is not built: its stages' ops, not yet
     found = localise(impl, case, device, ranks=setup)
     return {"localisation": found.describe(),
             "first_diverging_op": found.divergence.to_dict() if found.divergence else None}
@@ -352,6 +366,8 @@ def _rank_main(rank: int, world_size: int, folder: str, device_type: str, tasks:
     out = Path(folder)
     crash = (out / f"rank{rank}.crash").open("w")  # open for the life of the rank
     faulthandler.enable(crash, all_threads=True)
+    # the parent asks a rank past its time where it waits (RankPool._where_ranks_wait)
+    faulthandler.register(signal.SIGUSR1, file=crash, all_threads=True)
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")  # one machine: loopback, not a NIC
     torch.set_num_threads(1)  # the ranks share the machine's cores
     device = torch.device("cpu")
@@ -420,8 +436,8 @@ class _Failed(Exception):
 
 def search(pools: RankPools, *, max_world_size: int, engines: tuple[str, ...],
            model: str | None, examples: int, seed: int, say: Callable[[str], None],
-           seen: Callable[[Found, bool], None] | None = None, model_parallel: bool = False
-           ) -> tuple[int, Found | None]:
+           seen: Callable[[Found, bool], None] | None = None, model_parallel: bool = False,
+           schedules: tuple[str, ...] | None = None) -> tuple[int, Found | None]:
     """Draw ``examples`` cases with their engine and world size
     (:func:`~gradequiv.properties.strategies.distributed_runs`) and run each on its ranks;
     shrink a failure (at most :data:`SHRINK_TRIES` more cases), towards the fewest ranks.
@@ -442,7 +458,7 @@ def search(pools: RankPools, *, max_world_size: int, engines: tuple[str, ...],
     @seeded(seed)
     @given(drawn=distributed_runs(max_world_size=max_world_size, engines=engines,
                                   model=model, device=pools.device,
-                                  model_parallel=model_parallel))
+                                  model_parallel=model_parallel, schedules=schedules))
     def one(drawn: tuple[Case, Parallel, int]) -> None:
         case, parallel, world = drawn
         shrinking = ran[1] > 0
@@ -519,8 +535,13 @@ def reproduce_line(impl: Implementation, case: Case, parallel: Parallel, world_s
         words += ["--reshard-after-forward", str(parallel.reshard_after_forward).lower()]
     if parallel.mixed_precision:
         words += ["--mixed-precision"]
+    if parallel.sequence_parallel:
+        words += ["--sequence-parallel"]
     if parallel.model_parallel:
         words += ["--model-parallel"]
+    if parallel.pipeline is not None:
+        words += ["--schedule", parallel.pipeline.schedule,
+                  "--micro-batches", str(parallel.pipeline.micro_batches)]
     if parallelize is not None:
         words += ["--parallelize", parallelize]
     words += ["--case", case.to_json()]
@@ -568,7 +589,8 @@ def run(args: Any) -> int:
                 ran, found = search(pools, max_world_size=args.world_size, engines=engines,
                                     model=args.model, examples=args.examples, seed=args.seed,
                                     say=lambda line: print(line, flush=True), seen=seen,
-                                    model_parallel=args.model_parallel)
+                                    model_parallel=args.model_parallel,
+                                    schedules=(args.schedule,) if args.schedule else None)
         diagnosis = None
         if found is None:
             print(f"{ran} case(s) verified on every rank\nverdict: pass")
@@ -589,7 +611,15 @@ def _run_one(pools: RankPools, impl: Implementation, case: Case, engines: tuple[
     for engine in engines:
         parallel = Parallel(engine, args.reshard_after_forward,
                             args.mixed_precision and engine in ("fsdp", "fsdp-tp"),
-                            args.model_parallel and engine == "user")
+                            args.model_parallel and engine == "user",
+                            args.sequence_parallel and engine in ("tp", "fsdp-tp"),
+                            _pipelining(args) if engine == "pp" else None)
+        refused = _pipeline_refusal(case, parallel, args.world_size)
+        if refused and len(engines) > 1:
+            print(f"gradequiv distributed: not run under {parallel.describe()}: {refused}")
+            continue
+        if refused:
+            raise InvalidArgument(f"--case under --wrapper pp: {refused}")
         print(f"gradequiv distributed: {impl.spec} under {parallel.describe()}, "
               f"{args.world_size} ranks ({backend}), {case.describe()}", flush=True)
         verdict = pools.run(case, parallel, args.world_size)
@@ -604,6 +634,26 @@ def _run_one(pools: RankPools, impl: Implementation, case: Case, engines: tuple[
                 print(f"        {line}")
             failed = failed or Found(case, parallel, verdict)
     return len(engines), failed
+
+
+def _pipelining(args: Any) -> Any:
+    """The pipeline ``--schedule`` and ``--micro-batches`` state for ``--case`` (GPipe, and
+    one micro-batch per rank or per stage, where not given)."""
+    from gradequiv.harness.engine.pipeline import Pipelining
+
+    schedule = args.schedule or "gpipe"
+    micro = args.micro_batches or Pipelining(schedule, 1).n_stages(args.world_size)
+    return Pipelining(schedule, micro)
+
+
+def _pipeline_refusal(case: Case, parallel: Parallel, world_size: int) -> str | None:
+    """Why ``case`` cannot go through ``parallel``'s pipeline; None where it can, or no
+    pipeline is asked for."""
+    if parallel.pipeline is None:
+        return None
+    from gradequiv.harness.engine.pipeline import pipeline_refusal
+
+    return pipeline_refusal(case, parallel.pipeline, world_size)
 
 
 def _held(verdict: DistributedVerdict) -> str:
@@ -660,6 +710,11 @@ def likely_cause(impl: Implementation, found: Found) -> dict[str, Any] | None:
                                   f"{found.parallel.describe()})")
     elif alone == RANKS_ONLY:
         diagnosis["sentence"] += f" (rank {rank}; {RANKS_ONLY})"
+    elif not found_there.get("first_diverging_op"):
+        # no op-level evidence on the ranks (a pipeline's stages are not searched yet):
+        # the cause check finds in one process, where it has the first diverging op
+        diagnosis["sentence"] = (f"{alone} (the cause of the same case in one process; "
+                                 f"rank {rank} fails under {found.parallel.describe()})")
     else:
         diagnosis["sentence"] += f" (rank {rank}; the same case fails in one process too)"
     return diagnosis

@@ -22,13 +22,19 @@ if TYPE_CHECKING:
     from torch import Tensor
 
     from gradequiv.harness.engine.path import PreparedPath
+    from gradequiv.harness.engine.pipeline import Pipelining
     from gradequiv.models import Segment
 
-__all__ = ["ENGINES", "Parallel", "RankSetup", "apply_engine"]
+__all__ = ["ENGINES", "SCHEDULE_NAMES", "Parallel", "RankSetup", "apply_engine"]
 
 #: the engines a case may train under (``user``: the function named by ``--parallelize``;
-#: ``fsdp-tp``: a 2-D mesh, tensor parallel in pairs of ranks, FSDP2 across the pairs)
-ENGINES = ("ddp", "fsdp", "tp", "fsdp-tp", "user")
+#: ``fsdp-tp``: a 2-D mesh, tensor parallel in pairs of ranks, FSDP2 across the pairs;
+#: ``pp``: torch's pipeline schedules, the model's stages on the ranks)
+ENGINES = ("ddp", "fsdp", "tp", "fsdp-tp", "user", "pp")
+#: torch 2.13's pipeline schedules under ``pp``, by the names a case gives them, plainest
+#: first (``engine.pipeline.PIPELINE_SCHEDULES`` says what each is)
+SCHEDULE_NAMES = ("gpipe", "1f1b", "interleaved-1f1b", "looped-bfs", "interleaved-zero-bubble",
+                  "zbv-zero-bubble", "dualpipev")
 #: ranks in a tensor-parallel group under ``fsdp-tp`` (torchtitan's inner mesh dimension)
 PAIR = 2
 
@@ -49,6 +55,13 @@ class Parallel:
     #: rank trains the same rows with the same masks, as the ranks of a tensor-parallel
     #: group do (what DeepSpeed's partitioned activations assume of their group)
     model_parallel: bool = False
+    #: torch's ``SequenceParallel`` around the split MLP (Megatron's sequence parallelism):
+    #: the norm before it runs on each rank's part of the sequence, the MLP's input is
+    #: all-gathered along it and its output reduce-scattered back, then gathered whole for
+    #: the residual stream; the re-run repeats those collectives
+    sequence_parallel: bool = False
+    #: under ``pp``: torch's schedule, its micro-batches and the stages each rank holds
+    pipeline: Pipelining | None = None
 
     def __post_init__(self) -> None:
         if self.engine not in ENGINES:
@@ -60,6 +73,13 @@ class Parallel:
         if self.mixed_precision and not self.sharded:
             raise InvalidArgument(f"mixed_precision=True under engine={self.engine!r}: the "
                                   f"policy is FSDP2's; use engine='fsdp' or 'fsdp-tp'")
+        if (self.pipeline is None) == (self.engine == "pp"):
+            raise InvalidArgument(f"engine={self.engine!r} with pipeline={self.pipeline!r}: "
+                                  f"a pipeline is the pp engine's, and it needs one")
+        if self.sequence_parallel and not self.splits_layers:
+            raise InvalidArgument(f"sequence_parallel=True under engine={self.engine!r}: it "
+                                  f"splits the norm before a tensor-parallel MLP; use "
+                                  f"engine='tp' or 'fsdp-tp'")
         reshard = self.reshard_after_forward
         if not isinstance(reshard, (bool, int)) or (not isinstance(reshard, bool)
                                                     and reshard < 2):
@@ -81,17 +101,20 @@ class Parallel:
         """Ranks in one tensor-parallel group: they share rows of the batch and masks."""
         if self.model_parallel:
             return world_size
-        return {"tp": world_size, "fsdp-tp": PAIR}.get(self.engine, 1)
+        return {"tp": world_size, "fsdp-tp": PAIR, "pp": world_size}.get(self.engine, 1)
 
     def describe(self) -> str:
         policy = ", bf16 parameters, fp32 reduce" if self.mixed_precision else ""
         if self.engine == "fsdp":
             return f"fsdp (reshard_after_forward={self.reshard_after_forward}{policy})"
+        sequence = ", sequence-parallel norms" if self.sequence_parallel else ""
         if self.engine == "tp":
-            return "tp (DTensor: MLPs column- then row-wise)"
+            return f"tp (DTensor: MLPs column- then row-wise{sequence})"
         if self.engine == "fsdp-tp":
-            return (f"fsdp-tp (2-D mesh: tp in pairs, fsdp across them, "
+            return (f"fsdp-tp (2-D mesh: tp in pairs{sequence}, fsdp across them, "
                     f"reshard_after_forward={self.reshard_after_forward}{policy})")
+        if self.pipeline is not None:
+            return f"pp ({self.pipeline.describe()})"
         if self.model_parallel:
             return f"{self.engine} (model-parallel: every rank the same rows)"
         return self.engine
@@ -101,6 +124,11 @@ class Parallel:
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> Parallel:
+        pipeline = data.get("pipeline")
+        if isinstance(pipeline, dict):
+            from gradequiv.harness.engine.pipeline import Pipelining
+
+            data = {**data, "pipeline": Pipelining(**pipeline)}
         return cls(**data)
 
 
@@ -111,6 +139,9 @@ def apply_engine(model: Any, layers: list[Any], parallel: Parallel, world_size: 
     ``layers`` are the modules FSDP2 shards and tensor parallelism splits one by one (the
     model's layers). Under ``fsdp-tp``, as torchtitan applies them: tensor parallelism on
     the inner mesh dimension first, then FSDP2 on the outer one."""
+    if parallel.engine == "pp":
+        raise InvalidArgument("engine='pp' trains stages through torch's schedule "
+                              "(engine.staged), not a model wrapped whole")
     if parallel.engine == "ddp":
         from torch.nn.parallel import DistributedDataParallel
 
@@ -123,7 +154,7 @@ def apply_engine(model: Any, layers: list[Any], parallel: Parallel, world_size: 
                                   f"mesh needs an even world size of at least {2 * PAIR}")
         mesh = init_device_mesh(device_type, (world_size // PAIR, PAIR),
                                 mesh_dim_names=("dp", "tp"))
-        _tensor_parallel(model, layers, mesh["tp"])
+        _tensor_parallel(model, layers, mesh["tp"], parallel.sequence_parallel)
         return _fully_shard(model, layers, parallel, mesh["dp"], world_size // PAIR)
     mesh = init_device_mesh(device_type, (world_size,))
     if parallel.engine == "user":
@@ -131,7 +162,7 @@ def apply_engine(model: Any, layers: list[Any], parallel: Parallel, world_size: 
             raise InvalidArgument("engine='user' needs --parallelize MODULE:FUNCTION")
         return _users_set_up(model, parallelize, mesh)
     if parallel.engine == "tp":
-        return _tensor_parallel(model, layers, mesh)
+        return _tensor_parallel(model, layers, mesh, parallel.sequence_parallel)
     return _fully_shard(model, layers, parallel, mesh, world_size)
 
 
@@ -175,24 +206,67 @@ def _users_set_up(model: Any, parallelize: Callable[[Any, Any], Any], mesh: Any)
 _MLP_PLAN = ("mlp.fc", "mlp.proj")
 
 
-def _tensor_parallel(model: Any, layers: list[Any], mesh: Any) -> Any:
+def _tensor_parallel(model: Any, layers: list[Any], mesh: Any, sequence: bool = False) -> Any:
     from torch.distributed.tensor.parallel import (
         ColwiseParallel,
         RowwiseParallel,
         parallelize_module,
     )
 
+    plan_names = (*_MLP_PLAN, _NORM) if sequence else _MLP_PLAN
     for layer in layers:
         names = {name for name, _ in layer.named_modules()}
-        if not set(_MLP_PLAN) <= names:
+        if not set(plan_names) <= names:
             raise InvalidArgument(
-                f"engine='tp' splits each layer's {' and '.join(_MLP_PLAN)} (the reference "
+                f"engine='tp' splits each layer's {' and '.join(plan_names)} (the reference "
                 f"transformer's MLP); {type(layer).__name__} has no such modules: pass your "
                 f"own tensor-parallel plan with --parallelize MODULE:FUNCTION")
-        parallelize_module(layer, mesh, {
-            _MLP_PLAN[0]: ColwiseParallel(use_local_output=False),
-            _MLP_PLAN[1]: RowwiseParallel()})
+        if sequence:
+            parallelize_module(layer, mesh, _sequence_plan())
+            layer.get_submodule(_NORM).register_forward_pre_hook(
+                _replicated_input(mesh), prepend=True)
+        else:
+            parallelize_module(layer, mesh, {
+                _MLP_PLAN[0]: ColwiseParallel(use_local_output=False),
+                _MLP_PLAN[1]: RowwiseParallel()})
     return model
+
+
+#: the norm whose input is the MLP's under pre-norm: sequence-parallel with the MLP
+_NORM = "norm_2"
+
+
+def _sequence_plan() -> dict[str, Any]:
+    """Megatron's sequence parallelism around the MLP, as torchtitan writes its plan: the
+    norm on a part of the sequence, the MLP's input gathered along it, its output
+    reduce-scattered along it, and gathered whole again for the residual add."""
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.parallel import (
+        ColwiseParallel,
+        PrepareModuleOutput,
+        RowwiseParallel,
+        SequenceParallel,
+    )
+
+    return {_NORM: SequenceParallel(),
+            "mlp": PrepareModuleOutput(output_layouts=(Shard(1),),
+                                       desired_output_layouts=(Replicate(),)),
+            _MLP_PLAN[0]: ColwiseParallel(input_layouts=Shard(1), use_local_output=False),
+            _MLP_PLAN[1]: RowwiseParallel(output_layouts=Shard(1), use_local_output=False)}
+
+
+def _replicated_input(mesh: Any) -> Callable[..., Any]:
+    """The residual stream (a plain tensor, the same on every rank) handed to the
+    sequence-parallel norm as what it is: replicated; the norm takes its part."""
+    def hook(module: Any, args: tuple[Any, ...]) -> tuple[Any, ...]:
+        from torch.distributed.tensor import DTensor, Replicate
+
+        x, *rest = args
+        if isinstance(x, DTensor):
+            return args
+        return (DTensor.from_local(x, mesh, [Replicate()], run_check=False), *rest)
+
+    return hook
 
 
 @dataclass(frozen=True)
@@ -262,7 +336,7 @@ class RankSetup:
         meshes = {id(tensors[i].device_mesh) for i in rows}  # type: ignore[union-attr]
         out = list(tensors)
         if rows and len(meshes) == 1:
-            for i, full in zip(rows, _gather_rows([tensors[i] for i in rows])):  # type: ignore[misc]
+            for i, full in zip(rows, _gather_rows([tensors[i] for i in rows])):
                 out[i] = full
         return [t.full_tensor() if isinstance(t, DTensor) else t for t in out]
 
@@ -310,7 +384,7 @@ def _gather_rows(shards: list[Any]) -> list[Tensor]:
     for i, t in enumerate(shards):
         by_dtype.setdefault(t.dtype, []).append(i)
     whole: list[Tensor | None] = [None] * len(shards)
-    for dtype, members in by_dtype.items():
+    for members in by_dtype.values():
         layouts = []  # (rows each rank holds, the most, elements per row)
         parts = []
         for i in members:

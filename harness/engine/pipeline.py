@@ -30,6 +30,7 @@ import torch
 from torch import Tensor, nn
 
 from gradequiv.harness.engine.case import Case
+from gradequiv.harness.engine.parallel import SCHEDULE_NAMES
 from gradequiv.harness.engine.path import PreparedPath
 from gradequiv.harness.errors import InvalidArgument
 from gradequiv.models import TransformerConfig
@@ -66,6 +67,7 @@ PIPELINE_SCHEDULES: dict[str, _ScheduleKind] = {
     "dualpipev": _ScheduleKind("ScheduleDualPipeV", 2, "v", min_micro_batches_per_stage=1,
                                split_backward=True),
 }
+assert tuple(PIPELINE_SCHEDULES) == SCHEDULE_NAMES  # the names the command line offers
 #: the schedules that take exactly one stage per rank, and those that take exactly two
 _SINGLE = ("gpipe", "1f1b")
 _TWO_IN_A_V = ("zbv-zero-bubble", "dualpipev")
@@ -154,11 +156,12 @@ def pipeline_refusal(case: Case, pipelining: Pipelining | None = None,
                 f"weight pass cannot take the gradient of a weight used twice in one stage "
                 f"(full storage raises 'Trying to backward through the graph a second time' "
                 f"in torch 2.13); use layer_repeats=1 or a schedule without a weight pass")
-    rows = case.batch.batch_size
-    if rows < pipelining.micro_batches:
-        return (f"batch_size={rows} with micro_batches={pipelining.micro_batches}: the "
-                f"schedule splits the batch's rows, one part per micro-batch; use "
-                f"batch_size >= {pipelining.micro_batches}")
+    rows, micro = case.batch.batch_size, pipelining.micro_batches
+    if rows % micro:
+        return (f"batch_size={rows} with micro_batches={micro}: the schedule splits the "
+                f"inputs and the targets into micro-batches each its own way where the rows "
+                f"do not divide evenly (the loss then meets logits and targets of other "
+                f"sizes); use a batch_size that is a multiple of {micro}")
     return None
 
 
@@ -324,6 +327,7 @@ class RankStep:
     losses: list[Tensor]  # each micro-batch's loss (unscaled), where the last stage is here
     # each parameter of this rank's stages, by its name in the whole model (None: no gradient)
     grads: dict[str, Tensor | None] = field(default_factory=dict)
+    output: Tensor | None = None  # the micro-batches' logits joined, where the last stage is
 
 
 class StagedPath:
@@ -345,8 +349,8 @@ class StagedPath:
         every = split_stages(path, pipelining.n_stages(world_size))
         placed = pipelining.stage_ranks(world_size)
         self.stages = [s for s in every if placed[s.index] == rank]
-        torch_stages = [pp.PipelineStage(s, s.index, s.count, path.device, group=group)
-                        for s in self.stages]
+        self.torch_stages = torch_stages = [
+            pp.PipelineStage(s, s.index, s.count, path.device, group=group) for s in self.stages]
         kind = PIPELINE_SCHEDULES[pipelining.schedule]
         schedule_class = getattr(pp, kind.torch_name)
         held = torch_stages[0] if pipelining.schedule in _SINGLE else torch_stages
@@ -375,19 +379,28 @@ class StagedPath:
     def holds_last(self) -> bool:
         return any(s.is_last for s in self.stages)
 
-    def step(self) -> RankStep:
+    def step(self, *, optimize: bool = True) -> RankStep:
         """One optimizer step: ``schedule.step`` over the whole batch (the tokens where the
         first stage is, the targets and the losses where the last is, the padding mask on
-        every rank), the gradients kept, then the optimizer's step."""
+        every rank), the gradients kept, then the optimizer's step. ``optimize=False``:
+        the caller zeroes the gradients and steps an optimizer of its own."""
+        if not optimize:
+            return self._scheduled()
         self.optimizer.zero_grad(set_to_none=True)
+        done = self._scheduled()
+        self.optimizer.step()
+        return done
+
+    def _scheduled(self) -> RankStep:
+        """``schedule.step`` over the whole batch, what it left kept."""
         tokens, mask = self.path.inputs
         args = (tokens,) if self.holds_first else ()
         kwargs: dict[str, Any] = {} if mask is None else {"key_padding_mask": mask}
         losses: list[Tensor] | None = [] if self.holds_last else None
         target = self.path.targets if self.holds_last else None
-        self.schedule.step(*args, target=target, losses=losses, **kwargs)
+        output = self.schedule.step(*args, target=target, losses=losses, **kwargs)
         grads = {name: None if p.grad is None else p.grad.detach().clone()
                  for name, p in self.local_parameters}
-        self.optimizer.step()
         return RankStep(tuple(s.index for s in self.stages),
-                        [t.detach() for t in losses or []], grads)
+                        [t.detach() for t in losses or []], grads,
+                        output.detach() if isinstance(output, Tensor) else None)

@@ -36,6 +36,7 @@ from typing import Any
 
 import torch
 from torch import Tensor, nn
+from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
 from gradequiv.harness.engine.attribution import ParameterUses
 from gradequiv.harness.engine.case import Case
@@ -88,6 +89,9 @@ class StepRecord:
     carried_from: tuple[str, ...] = ()
     carried_at: tuple[str, ...] = ()
     carried_own: int = 0
+    # the backward passes over each micro-batch, where the runtime decides them (a pipeline
+    # schedule's input and weight passes); None: the case's own (``backward_passes``)
+    backward_passes: int | None = None
 
 
 @dataclass
@@ -201,11 +205,8 @@ def run_path(
                 run.probes = _inference_forwards(path, call)
             n_steps = case.steps if steps is None else steps
             for step in range(1, n_steps + 1):
-                if step > 1 and start_from is not None:
-                    where = f"step {step} start"
-                    _restore(start_from.starts[step - 2], params, optimizer, device)
-                elif step > 1:
-                    run.starts.append(_snapshot(params, optimizer, device))
+                where = f"step {step} start"
+                start_step(step, run, start_from, params, optimizer, device)
                 path.set_trainable(step)
                 optimizer.zero_grad(set_to_none=True)
                 for t in inputs:  # input leaves are no parameters: zero_grad misses them
@@ -472,6 +473,17 @@ def _rng_states(device: torch.device) -> dict[str, Tensor]:
     return states
 
 
+def start_step(step: int, run: PathRun, start_from: PathRun | None,
+               params: list[tuple[str, nn.Parameter]], optimizer: torch.optim.Optimizer,
+               device: torch.device) -> None:
+    """Where ``step`` begins: from the reference's state there (``start_from``), or, on the
+    reference, that state kept for the other paths."""
+    if step > 1 and start_from is not None:
+        _restore(start_from.starts[step - 2], params, optimizer, device)
+    elif step > 1:
+        run.starts.append(_snapshot(params, optimizer, device))
+
+
 def _snapshot(params: list[tuple[str, nn.Parameter]], optimizer: torch.optim.Optimizer,
               device: torch.device) -> StepStart:
     return StepStart(params={n: p.detach().clone() for n, p in params},
@@ -543,7 +555,7 @@ def _rerun_segments(uses: ParameterUses, segment_of: dict[str, str]) -> set[str]
     return {segment_of.get(name, name) for name in uses.take_rerun_hits()}
 
 
-def _count_calls(counted: dict[str, nn.Module], phase: _Phase) -> dict[str, list[int]]:
+def _count_calls(counted: dict[str, nn.Module], phase: Any) -> dict[str, list[int]]:
     """Count each counted module's forward calls, with forward pre-hooks:
     ``[forward phase, backward phase with grad on, forward phase with grad on]``.
 
@@ -552,7 +564,8 @@ def _count_calls(counted: dict[str, nn.Module], phase: _Phase) -> dict[str, list
     again). On the full-storage path the last count is how many of the forwards backward
     must recompute: a forward under ``no_grad`` made nothing to recompute. (Inside a
     reentrant checkpoint every forward runs under ``no_grad``, so that count means
-    nothing on the recompute path.)
+    nothing on the recompute path.) ``phase.index``: 0 forward, 1 backward, None a call
+    not counted.
     """
     calls: dict[str, list[int]] = {}
     for name, module in counted.items():
@@ -560,6 +573,8 @@ def _count_calls(counted: dict[str, nn.Module], phase: _Phase) -> dict[str, list
 
         def hook(_module: nn.Module, _args: Any, counter: list[int] = counter) -> None:
             grad = torch.is_grad_enabled()
+            if phase.index is None:  # a pass no step of training makes (engine.staged)
+                return
             if phase.index == 0:
                 counter[0] += 1
                 counter[2] += grad
@@ -573,6 +588,17 @@ def _count_calls(counted: dict[str, nn.Module], phase: _Phase) -> dict[str, list
 def _reset(calls: dict[str, list[int]]) -> None:
     for counter in calls.values():
         counter[:] = [0] * len(counter)
+
+
+def _address(t: Tensor) -> Any:
+    """Where ``t``'s elements are: its data pointer, or those of the tensors a wrapper
+    subclass holds (a DTensor's local shard: the wrapper itself has no memory, and every
+    DTensor of a shape would look alike)."""
+    if is_traceable_wrapper_subclass(t):
+        inner, _ = t.__tensor_flatten__()
+        return tuple(_address(part) for part in (getattr(t, name) for name in inner)
+                     if isinstance(part, Tensor))
+    return t.data_ptr()
 
 
 class _SegmentInputGrads:
@@ -615,12 +641,12 @@ class _SegmentInputGrads:
         for arg, value in named.items():
             if not (isinstance(value, Tensor) and value.requires_grad):
                 continue
-            key = (value.data_ptr(), value.shape, value.stride(), value.dtype)
+            key = (_address(value), value.shape, value.stride(), value.dtype)
             known = self._seen.get(key)
             seen = known() if known is not None else None
             # Alive and still over the same memory: a checkpoint that swaps a saved input's
             # storage for a partition (``.data =``) lets a new tensor take the old address.
-            if seen is not None and seen.data_ptr() == key[0] and seen.shape == key[1]:
+            if seen is not None and _address(seen) == key[0] and seen.shape == key[1]:
                 continue
             self._seen[key] = weakref.ref(value)
             value.register_hook(self._store(f"input:{segment}:{arg}{self.suffix}"))  # type: ignore[no-untyped-call]
@@ -657,7 +683,10 @@ def _record(
     for label, t in zip(_input_names(model, inputs), inputs):
         if t is not None and t.requires_grad:
             grads[f"input:model:{label}"] = None if t.grad is None else t.grad.detach()
-    grads.update(grads_in)
+    # a segment's input may be sharded too (sequence parallelism hands the MLP its part of
+    # the sequence): made whole, every rank in the same order
+    names_in = sorted(grads_in)
+    grads.update(zip(names_in, whole([grads_in[n] for n in names_in])))
     rng = _rng_states(device)
     losses, outputs = kept[0::2], kept[1::2]
     return StepRecord(

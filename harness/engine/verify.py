@@ -59,6 +59,7 @@ from gradequiv.harness.engine.compare import (
 from gradequiv.harness.engine.parallel import RankSetup
 from gradequiv.harness.engine.rng_story import rng_stories
 from gradequiv.harness.engine.runner import PathRun, StepRecord, run_path
+from gradequiv.harness.engine.staged import run_staged
 from gradequiv.harness.errors import exception_line
 from gradequiv.harness.implementations.adapters import Implementation
 from gradequiv.harness.implementations.compiled import FLOOR, REFERENCE, CompileSpec
@@ -251,12 +252,14 @@ def verify(
     tolerance = tolerance or Tolerance(
         regime=case.dtype, compute=ranks.compute_dtype if ranks is not None else None)
     reference = REFERENCE if impl.compiled else None  # compiled code is compared to compiled
+    # a pipeline's paths run through torch's schedule, stage by stage (engine.staged)
+    run: Any = run_path if ranks is None or ranks.parallel.pipeline is None else run_staged
     try:
         with _caller_rng_untouched(device):
             global_state.restore(clean)
             steps = 1 if first_step_only else case.steps
-            full = run_path(case, None, device=device, count_memory=watch_memory,
-                            compiled=reference, steps=steps, ranks=ranks)
+            full = run(case, None, device=device, count_memory=watch_memory,
+                       compiled=reference, steps=steps, ranks=ranks)
             if full.error is not None:
                 limit = _regime_limit(case, full)
                 if limit:  # the model's own limit: nothing to hold against the implementation
@@ -274,9 +277,9 @@ def verify(
                     f"the full-storage path of case {case.describe()} verifies nothing: "
                     f"{nothing}; this is a fault of the model, not of the implementation")
             global_state.restore(clean)
-            recompute = run_path(case, impl, device=device, count_memory=watch_memory,
-                                 start_from=full, steps=steps, ranks=ranks,
-                                 compiled=impl.compiled.settings if impl.compiled else None)
+            recompute = run(case, impl, device=device, count_memory=watch_memory,
+                            start_from=full, steps=steps, ranks=ranks,
+                            compiled=impl.compiled.settings if impl.compiled else None)
             floor: PathRun | None = None
             quick: list[PropertyResult] | None = None  # the checks against a zero floor
             if recompute.error is None and not impl.compiled:
@@ -293,8 +296,8 @@ def verify(
                     quick = None
             if quick is None:
                 global_state.restore(clean)
-                floor = run_path(case, None, device=device, start_from=full, steps=steps,
-                                 compiled=FLOOR if impl.compiled else None, ranks=ranks)
+                floor = run(case, None, device=device, start_from=full, steps=steps,
+                            compiled=FLOOR if impl.compiled else None, ranks=ranks)
     finally:
         stuck = global_state.restore(clean)  # what could not be put back for the next case
     verdict.floor_measured = floor is not None
@@ -742,11 +745,11 @@ def _check_recompute(case: Case, full: PathRun, rc: PathRun, result: PropertyRes
                     f"on its parameters with grad on), {to_recompute} forward(s) to recompute; "
                     f"nothing was recomputed"
                 )
-            elif bwd > with_grad * passes:
+            elif bwd > with_grad * (step_rc.backward_passes or passes):
                 # Hooks only: op counts are no measure of how often (autocast caches a
                 # weight's cast in forward, not in a recompute; torch's early stop re-runs
                 # fewer ops), only of whether the segment re-ran at all.
-                per = " per backward pass" if passes > 1 else ""
+                per = " per backward pass" if (step_rc.backward_passes or passes) > 1 else ""
                 result.failures.append(
                     f"step {k}: {module} ran {bwd} time(s) in backward and {with_grad} in "
                     f"forward; a recompute re-runs each forward once{per}, not more"
