@@ -29,7 +29,8 @@ EXAMPLES = 20
 ROUNDS = 3
 
 
-def _drawn(examples: int, seed: int) -> list[tuple[str, dict[str, Any]]]:
+def _drawn(examples: int, seed: int, engines: tuple[str, ...] = ("ddp", "fsdp", "tp")
+           ) -> list[tuple[str, dict[str, Any]]]:
     """The cases a distributed run draws first (as JSON, with their engine)."""
     from hypothesis import HealthCheck, given, settings
     from hypothesis import seed as seeded
@@ -41,7 +42,7 @@ def _drawn(examples: int, seed: int) -> list[tuple[str, dict[str, Any]]]:
     @settings(max_examples=examples, database=None, deadline=None,
               suppress_health_check=list(HealthCheck), phases=["generate"])
     @seeded(seed)
-    @given(distributed_cases(world_size=2))
+    @given(distributed_cases(world_size=2, engines=engines))
     def collect(case_and_engine: Any) -> None:
         drawn.append((case_and_engine[0].to_json(), case_and_engine[1].to_dict()))
 
@@ -57,6 +58,7 @@ def _rank(rank: int, folder: str, drawn: list[tuple[str, dict[str, Any]]]) -> No
     from gradequiv.harness.engine.case import Case
     from gradequiv.harness.engine.parallel import Parallel, RankSetup
     from gradequiv.harness.engine.path import prepare
+    from gradequiv.harness.engine.pipeline import StagedPath
     from gradequiv.harness.engine.runner import LEARNING_RATE, MOMENTUM
     from gradequiv.harness.engine.verify import verify
 
@@ -67,6 +69,13 @@ def _rank(rank: int, folder: str, drawn: list[tuple[str, dict[str, Any]]]) -> No
     impl, device = resolve("torch"), torch.device("cpu")
 
     def bare(case: Case, setup: RankSetup) -> None:
+        if setup.parallel.pipeline is not None:  # the stages through torch's schedule
+            for path_impl in (None, impl):
+                path = prepare(case, path_impl, device, seed_offset=rank)
+                staged = StagedPath(path, setup.parallel.pipeline, rank, 2)
+                for _ in range(case.steps):
+                    staged.step()
+            return
         for path_impl in (None, impl):
             path = setup.share(prepare(case, path_impl, device, seed_offset=setup.seed_offset))
             call = setup.wrap(path.model, path.segments)
@@ -147,9 +156,25 @@ def test_a_drawn_case_on_two_ranks_against_bare_training(benchmark: Any) -> None
 
 
 @pytest.mark.benchmark(group="distributed")
-def test_the_whole_command_on_twenty_drawn_cases(benchmark: Any) -> None:
+def test_drawn_pipeline_cases_on_two_ranks_against_bare_schedules(benchmark: Any) -> None:
+    """Twenty cases as ``--wrapper pp`` draws them (every schedule), bare: both paths through
+    ``schedule.step``, nothing observed; ``verify``: as a rank runs it."""
+    times = _times(_drawn(EXAMPLES, seed=0, engines=("pp",)))
+    ratios = [row["verify"] / row["bare"] for row in times]
+    benchmark.extra_info.update({
+        "cases": len(times), "rounds": ROUNDS,
+        "bare_median_s": statistics.median(r["bare"] for r in times),
+        "verify_median_s": statistics.median(r["verify"] for r in times),
+        "ratio_median": statistics.median(ratios), "ratio_p95": _p95(ratios)})
+    print(json.dumps(benchmark.extra_info, indent=1))
+    benchmark.pedantic(lambda: None, rounds=1)
+
+
+@pytest.mark.benchmark(group="distributed")
+@pytest.mark.parametrize("wrapper", ["all", "pp"])
+def test_the_whole_command_on_twenty_drawn_cases(benchmark: Any, wrapper: str) -> None:
     command = [sys.executable, "-m", "gradequiv.harness", "distributed", "--impl", "torch",
-               "--examples", str(EXAMPLES)]
+               "--examples", str(EXAMPLES), "--wrapper", wrapper]
 
     def run() -> None:
         subprocess.run(command, check=True, capture_output=True)
