@@ -236,3 +236,17 @@ def test_a_drawn_pipeline_run_names_the_cause_and_replays_the_schedule(
     cause = out.split("likely cause: ")[1].splitlines()[0]
     assert cause.startswith("the recompute does not restore the RNG state")
     assert "--wrapper pp --schedule " in out.split("reproduce: ")[1]
+
+
+def test_a_stash_freed_by_the_first_backward_fails_only_where_the_weight_pass_is_a_second(
+        ) -> None:
+    """Zero bubble splits each micro-batch's backward into an input pass and weight passes
+    over the same graph: a checkpoint that lets go of its saved inputs in the first backward
+    through a call is right under GPipe and 1F1B, and raises under both zero-bubble
+    schedules, where the case ends with that rank's traceback."""
+    verdicts = _through_check("pipeline_impls:frees_after_first_pass",
+                              ["gpipe", "1f1b", "interleaved-zero-bubble", "zbv-zero-bubble"])
+    assert verdicts["gpipe"].passed and verdicts["1f1b"].passed
+    for schedule in ("interleaved-zero-bubble", "zbv-zero-bubble"):
+        error = verdicts[schedule].error or ""
+        assert "freed by an earlier backward pass" in error, schedule
