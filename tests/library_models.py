@@ -102,7 +102,12 @@ def lora_llama(seed: int) -> UserModel:
     base = transformers.LlamaForCausalLM(config)
     lora = peft.LoraConfig(r=4, lora_alpha=8, lora_dropout=0.1,
                            target_modules=["q_proj", "v_proj"], init_lora_weights=False)
-    model = peft.get_peft_model(base, lora)
+    with warnings.catch_warnings():
+        # PEFT 0.21 reads transformers' is_gradient_checkpointing, which transformers 5.25
+        # deprecates with a FutureWarning (PEFT's own call, not the model's or ours)
+        warnings.filterwarnings("ignore", "`is_gradient_checkpointing` is deprecated",
+                                FutureWarning)
+        model = peft.get_peft_model(base, lora)
     tokens, targets = _tokens(seed)
     return UserModel(model, {"input_ids": tokens}, targets, _logits_loss,
                      segments=[transformers.models.llama.modeling_llama.LlamaDecoderLayer])

@@ -21,8 +21,12 @@ from gradequiv.models import ExternalConfig, parse_granularity
 
 def _hf(reentrant: bool) -> Callable[[torch.nn.Module], None]:
     def toggle(model: torch.nn.Module) -> None:
-        model.gradient_checkpointing_enable(  # type: ignore[operator]
-            gradient_checkpointing_kwargs={"use_reentrant": reentrant})
+        kwargs = {"use_reentrant": reentrant}
+        if hasattr(model, "activation_checkpointing_enable"):  # transformers 5.25 on
+            model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
+        else:
+            model.gradient_checkpointing_enable(  # type: ignore[operator]
+                gradient_checkpointing_kwargs=kwargs)
     return toggle
 
 

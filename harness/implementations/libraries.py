@@ -254,11 +254,17 @@ HF_NEEDS_MODEL = (
     "gradequiv.models.hf:llama (or :gpt2, or a factory of your own PreTrainedModel)")
 
 
+#: options of transformers' own toggle (5.25 on), not of torch's checkpoint: ``offload``
+#: keeps what the re-run starts from in host memory
+HF_TOGGLE_OPTIONS = ("offload",)
+
+
 def hf_gradient_checkpointing(model: nn.Module, *, segments: list[str] | None = None,
                               **checkpoint_kwargs: Any) -> None:
-    """``model.gradient_checkpointing_enable()`` of a transformers model, as users call it;
-    ``--impl-kwarg`` options become its ``gradient_checkpointing_kwargs`` (non-reentrant
-    unless ``use_reentrant=true``).
+    """The model's own toggle, as users call it: ``activation_checkpointing_enable()``
+    (transformers 5.25 on; ``gradient_checkpointing_enable()``, deprecated there, before);
+    ``--impl-kwarg`` options become the checkpoint's keyword arguments (non-reentrant unless
+    ``use_reentrant=true``), ``offload`` the toggle's own.
 
     transformers turns recompute on for every checkpointing layer; those not among
     ``segments`` (the selected segments' dotted names) are turned back off, so ``every:2``
@@ -266,10 +272,23 @@ def hf_gradient_checkpointing(model: nn.Module, *, segments: list[str] | None = 
     ``PreTrainedModel`` or a PEFT model of one, e.g. ``gradequiv.models.hf:llama``).
     """
     layers = _library("hf", "transformers.modeling_layers")
-    enable = getattr(model, "gradient_checkpointing_enable", None)
-    if enable is None or not hasattr(model, "config"):
+    if not hasattr(model, "config"):
         raise InvalidArgument(HF_NEEDS_MODEL)
-    enable(gradient_checkpointing_kwargs={"use_reentrant": False, **checkpoint_kwargs})
+    toggle = {k: checkpoint_kwargs.pop(k) for k in HF_TOGGLE_OPTIONS if k in checkpoint_kwargs}
+    kwargs = {"use_reentrant": False, **checkpoint_kwargs}
+    enable = getattr(model, "activation_checkpointing_enable", None)
+    if enable is not None:
+        enable(activation_checkpointing_kwargs=kwargs, **toggle)
+    else:
+        enable = getattr(model, "gradient_checkpointing_enable", None)
+        if enable is None:
+            raise InvalidArgument(HF_NEEDS_MODEL)
+        if toggle:
+            raise InvalidArgument(
+                f"--impl-kwarg {', '.join(toggle)}: an option of transformers' "
+                f"activation_checkpointing_enable (5.25 and later); this transformers has "
+                f"only gradient_checkpointing_enable: upgrade it or leave the option out")
+        enable(gradient_checkpointing_kwargs=kwargs)
     if segments is None:
         return
     chosen = {id(model.get_submodule(name)) for name in segments}
