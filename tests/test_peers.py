@@ -176,6 +176,38 @@ def test_hf_toggle_keeps_recompute_to_the_selected_layers() -> None:
     assert [layer.gradient_checkpointing for layer in layers] == [True, False]
 
 
+def test_hf_toggle_is_transformers_current_one_and_takes_its_offload_option(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """From transformers 5.25 the toggle is ``activation_checkpointing_enable`` (the old
+    one warns, which this suite makes an error), and ``offload`` is the toggle's option,
+    not torch's checkpoint's; before 5.25 that option is refused with the reason. On a
+    machine without an accelerator 5.25's offload raises (it asks for pinned memory all the
+    same, though its comment says there is nothing to copy then): the verdict says so."""
+    needs("transformers")
+    from gradequiv.harness import Case
+    from gradequiv.models import ExternalConfig, build, parse_granularity
+
+    case = Case(model=ExternalConfig("gradequiv.models.hf:llama"))
+    workload = build(case.model, case.batch, 0, "cpu")
+    segments = workload.segments(parse_granularity("layer"))
+    toggle = getattr(workload.model.inner, "activation_checkpointing_enable", None)
+    if toggle is None:
+        with pytest.raises(InvalidArgument, match="offload: an option of transformers'"):
+            resolve("hf", kwargs={"offload": True}).install(workload.model, segments)
+        return
+    called: list[dict[str, object]] = []
+    monkeypatch.setattr(type(workload.model.inner), "activation_checkpointing_enable",
+                        lambda self, **kw: (called.append(kw), toggle(**kw))[1])
+    resolve("hf", kwargs={"offload": True}).install(workload.model, segments)
+    assert called == [{"activation_checkpointing_kwargs": {"use_reentrant": False},
+                       "offload": True}]
+    offloaded = verify(resolve("hf", kwargs={"offload": True}), case)
+    if torch.cuda.is_available():
+        assert bitwise_pass(offloaded)
+    else:  # transformers 5.25 pins host memory even with no accelerator to copy from
+        assert offloaded.error is not None and "pin_memory=True requires" in offloaded.error
+
+
 def test_hf_without_a_transformers_model_is_exit_2(capsys: pytest.CaptureFixture[str]) -> None:
     needs("transformers")
     from gradequiv.harness.cli import main
