@@ -201,6 +201,7 @@ def test_hf_toggle_is_transformers_current_one_and_takes_its_offload_option(
     resolve("hf", kwargs={"offload": True}).install(workload.model, segments)
     assert called == [{"activation_checkpointing_kwargs": {"use_reentrant": False},
                        "offload": True}]
+    monkeypatch.undo()
     offloaded = verify(resolve("hf", kwargs={"offload": True}), case)
     if torch.cuda.is_available():
         assert bitwise_pass(offloaded)
