@@ -19,6 +19,7 @@ as a failed verdict, not a stuck CI job.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import pickle
 import signal
@@ -278,7 +279,8 @@ class RankPool:
         assert self._context is not None
         for process in self._context.processes:
             if process.is_alive() and process.pid is not None:
-                os.kill(process.pid, signal.SIGUSR1)
+                with contextlib.suppress(ProcessLookupError):  # it ended meanwhile
+                    os.kill(process.pid, signal.SIGUSR1)
         time.sleep(0.5)
         stacks = [f"\n{c.stem}, where it waited:\n{c.read_text(errors='replace').strip()}"
                   for c in sorted(self._out.glob("rank*.crash")) if c.stat().st_size]

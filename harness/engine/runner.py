@@ -684,8 +684,9 @@ def _record(
         if t is not None and t.requires_grad:
             grads[f"input:model:{label}"] = None if t.grad is None else t.grad.detach()
     # a segment's input may be sharded too (sequence parallelism hands the MLP its part of
-    # the sequence): made whole, every rank in the same order
-    names_in = sorted(grads_in)
+    # the sequence): made whole, in the order backward reached them (the same on every
+    # rank: each runs the same graph)
+    names_in = list(grads_in)
     grads.update(zip(names_in, whole([grads_in[n] for n in names_in])))
     rng = _rng_states(device)
     losses, outputs = kept[0::2], kept[1::2]
