@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Any, NoReturn
 
 from gradequiv.harness import validate
-from gradequiv.harness.engine.parallel import SCHEDULE_NAMES
+from gradequiv.harness.engine.schedules import PIPELINE_SCHEDULES
 from gradequiv.harness.errors import EXIT_FAIL, EXIT_INTERRUPTED, EXIT_USAGE, InvalidArgument
 from gradequiv.harness.implementations.resolve import BUILTINS
 from gradequiv.harness.options import ADAPTERS, DEVICES, PROFILES, CheckOptions, check_options
@@ -195,7 +195,7 @@ def build_parser() -> argparse.ArgumentParser:
                            "--parallelize function (user); ddp and fsdp (both), or every "
                            "one the world size allows but user (all, the default; user "
                            "when --parallelize is given)")
-    dist.add_argument("--schedule", choices=SCHEDULE_NAMES, default=None,
+    dist.add_argument("--schedule", choices=tuple(PIPELINE_SCHEDULES), default=None,
                       help="under pp, the schedule your training runs: drawn cases use it "
                            "only (default: every one drawn; --case: gpipe)")
     dist.add_argument("--micro-batches", type=_count("--micro-batches"), default=None,

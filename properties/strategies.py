@@ -17,7 +17,7 @@ from hypothesis import strategies as st
 
 from gradequiv.harness.engine.case import Case
 from gradequiv.harness.engine.parallel import Parallel
-from gradequiv.harness.engine.pipeline import PIPELINE_SCHEDULES, Pipelining
+from gradequiv.harness.engine.schedules import PIPELINE_SCHEDULES, Pipelining
 from gradequiv.harness.engine.spread import compile_cases
 from gradequiv.harness.errors import InvalidArgument
 from gradequiv.models import (

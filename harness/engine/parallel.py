@@ -16,25 +16,21 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass, replace
 from typing import TYPE_CHECKING, Any
 
+from gradequiv.harness.engine.schedules import Pipelining
 from gradequiv.harness.errors import InvalidArgument
 
 if TYPE_CHECKING:
     from torch import Tensor
 
     from gradequiv.harness.engine.path import PreparedPath
-    from gradequiv.harness.engine.pipeline import Pipelining
     from gradequiv.models import Segment
 
-__all__ = ["ENGINES", "SCHEDULE_NAMES", "Parallel", "RankSetup", "apply_engine"]
+__all__ = ["ENGINES", "Parallel", "RankSetup", "apply_engine"]
 
 #: the engines a case may train under (``user``: the function named by ``--parallelize``;
 #: ``fsdp-tp``: a 2-D mesh, tensor parallel in pairs of ranks, FSDP2 across the pairs;
 #: ``pp``: torch's pipeline schedules, the model's stages on the ranks)
 ENGINES = ("ddp", "fsdp", "tp", "fsdp-tp", "user", "pp")
-#: torch 2.13's pipeline schedules under ``pp``, by the names a case gives them, plainest
-#: first (``engine.pipeline.PIPELINE_SCHEDULES`` says what each is)
-SCHEDULE_NAMES = ("gpipe", "1f1b", "interleaved-1f1b", "looped-bfs", "interleaved-zero-bubble",
-                  "zbv-zero-bubble", "dualpipev")
 #: ranks in a tensor-parallel group under ``fsdp-tp`` (torchtitan's inner mesh dimension)
 PAIR = 2
 
@@ -126,8 +122,6 @@ class Parallel:
     def from_dict(cls, data: dict[str, Any]) -> Parallel:
         pipeline = data.get("pipeline")
         if isinstance(pipeline, dict):
-            from gradequiv.harness.engine.pipeline import Pipelining
-
             data = {**data, "pipeline": Pipelining(**pipeline)}
         return cls(**data)
 
