@@ -615,7 +615,8 @@ def _fit_engine(drawn: tuple[Case, Parallel], world_size: int = 2) -> tuple[Case
 
 def _fit_pipeline(case: Case, pipelining: Pipelining, world_size: int) -> Case:
     """The case as torch's schedules can train it split by layers (``pipeline_refusal``):
-    untied embeddings, no parameter or loss shared across stages, each weight used once a
+    untied embeddings, no parameter or loss shared across stages, no running statistics
+    (torch's shape inference feeds them uninitialised tensors), each weight used once a
     stage under a split backward, a stage's worth of layers for every stage, as many rows
     in every micro-batch."""
     model = case.model
@@ -625,7 +626,7 @@ def _fit_pipeline(case: Case, pipelining: Pipelining, world_size: int) -> Case:
     per_unit = case.granularity.size if isinstance(case.granularity, LayerGroups) else 1
     split = PIPELINE_SCHEDULES[pipelining.schedule].split_backward
     model = replace(model, tie_embeddings=False, outside_params=False, aux_loss=False,
-                    freeze_embeddings=False, frozen_first_layer=False,
+                    freeze_embeddings=False, frozen_first_layer=False, running_stats=False,
                     layer_repeats=1 if split else model.layer_repeats,
                     n_layer=max(model.n_layer, (n_stages - 2) * per_unit))
     micro = pipelining.micro_batches

@@ -136,6 +136,7 @@ def _split(path: Any, n: int) -> list[Any]:
 
 @pytest.mark.parametrize(("change", "names"), [
     ({"tie_embeddings": True}, "tie_embeddings=true"),
+    ({"running_stats": True}, "running_stats=true"),
     ({"aux_loss": True}, "aux_loss=true"),
     ({"outside_params": True}, "outside_params=true"),
     ({"frozen_first_layer": True}, "frozen_first_layer=true"),
@@ -175,14 +176,15 @@ def test_stages_hold_the_models_own_modules_in_call_order() -> None:
 
 # -- through the check's own engine on the ranks (gradequiv distributed --wrapper pp) --------
 
-def _through_check(impl: str, schedules: list[str]) -> dict[str, Any]:
-    """Each schedule's verdict on CASE, as ``gradequiv distributed`` gets it from its ranks."""
+def _through_check(impl: str, schedules: list[str], case: Any = CASE) -> dict[str, Any]:
+    """Each schedule's verdict on ``case``, as ``gradequiv distributed`` gets it from its
+    ranks."""
     from gradequiv.harness import resolve
     from gradequiv.harness.commands.distributed import RankPool
     from gradequiv.harness.engine.parallel import Parallel
 
     with RankPool(resolve(impl), world_size=2, timeout_s=120) as pool:
-        return {s: pool.run(CASE, Parallel("pp", pipeline=_pipelining(s))) for s in schedules}
+        return {s: pool.run(case, Parallel("pp", pipeline=_pipelining(s))) for s in schedules}
 
 
 def test_the_check_passes_torch_checkpoint_under_every_schedule_with_every_property() -> None:

@@ -99,6 +99,11 @@ def _model_refusal(model: TransformerConfig) -> str | None:
         return ("aux_loss=true: the layers' summed aux loss would have to cross every stage "
                 "boundary beside the hidden state to reach the loss on the last stage; use "
                 "aux_loss=false")
+    if model.running_stats:
+        return ("running_stats=true: torch's pipeline stages infer their shapes on the first "
+                "step by a training-mode forward of every stage past the first on tensors "
+                "made from metadata, uninitialised, whose statistics then reach the running "
+                "buffers (NaN on both paths in torch 2.13); use running_stats=false")
     if model.freeze_embeddings or model.frozen_first_layer:
         knob = "freeze_embeddings" if model.freeze_embeddings else "frozen_first_layer"
         return (f"{knob}=true: a stage whose outputs need no gradient sends none back, which "

@@ -124,6 +124,8 @@ def run_staged(case: Case, impl: Implementation | None, *, device: torch.device,
             for stage in staged.torch_stages:
                 phase.watch(stage)
             mine = {n for n, _ in staged.local_parameters}
+            held = {id(b) for stage in staged.stages for b in stage.buffers()}
+            own_buffers = [n for n, b in names.buffers() if id(b) in held]  # its stages'
             n_steps = case.steps if steps is None else steps
             for step in range(1, n_steps + 1):
                 where = f"step {step} start"
@@ -133,7 +135,7 @@ def run_staged(case: Case, impl: Implementation | None, *, device: torch.device,
                 phase.tasks.clear()
                 where = f"step {step} (the schedule's forwards and backwards)"
                 done = staged.step(optimize=False)
-                run.steps.append(_record(done, params, mine, names, calls, device,
+                run.steps.append(_record(done, params, own_buffers, names, calls, device,
                                          pipelining.micro_batches, len(phase.tasks)))
                 optimizer.step()
             where = "the end"
@@ -152,7 +154,8 @@ def run_staged(case: Case, impl: Implementation | None, *, device: torch.device,
     return run
 
 
-def _record(done: RankStep, params: list[tuple[str, Any]], mine: set[str], names: UserNames,
+def _record(done: RankStep, params: list[tuple[str, Any]], own_buffers: list[str],
+            names: UserNames,
             calls: dict[str, list[int]], device: torch.device,
             micro_batches: int, tasks: int) -> StepRecord:
     """The step as ``run_path`` records one, put together from every rank. ``tasks``: the
@@ -161,8 +164,7 @@ def _record(done: RankStep, params: list[tuple[str, Any]], mine: set[str], names
     of parameters) makes several per micro-batch, and each may re-run a segment once."""
     local = {
         "grads": {f"param:{n}": g for n, g in done.grads.items()},
-        "buffers": {n: b.detach().clone() for n, b in names.buffers()
-                    if n.rsplit(".", 1)[0] in _stage_modules(mine)},
+        "buffers": {n: b.detach().clone() for n, b in names.buffers() if n in own_buffers},
         "loss": torch.stack(done.losses).sum() / micro_batches if done.losses else None,
         "outputs": done.output,
         "calls": {n: list(c) for n, c in calls.items()},
@@ -184,11 +186,6 @@ def _record(done: RankStep, params: list[tuple[str, Any]], mine: set[str], names
     return StepRecord(loss=loss, outputs=outputs, grads=grads, buffers=buffers,
                       rng=_rng_states(device), calls=summed,
                       backward_passes=max(1, *(seen["passes"] for seen in every)))
-
-
-def _stage_modules(mine: set[str]) -> set[str]:
-    """The modules whose parameters this rank's stages hold, by name."""
-    return {n.rsplit(".", 1)[0] for n in mine}
 
 
 def _all(value: Any) -> list[Any]:
