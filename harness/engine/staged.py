@@ -125,7 +125,7 @@ def run_staged(case: Case, impl: Implementation | None, *, device: torch.device,
                 phase.watch(stage)
             mine = {n for n, _ in staged.local_parameters}
             held = {id(b) for stage in staged.stages for b in stage.buffers()}
-            own_buffers = [n for n, b in names.buffers() if id(b) in held]  # its stages'
+            own_buffers = [(n, b) for n, b in names.buffers() if id(b) in held]  # its stages'
             n_steps = case.steps if steps is None else steps
             for step in range(1, n_steps + 1):
                 where = f"step {step} start"
@@ -135,7 +135,7 @@ def run_staged(case: Case, impl: Implementation | None, *, device: torch.device,
                 phase.tasks.clear()
                 where = f"step {step} (the schedule's forwards and backwards)"
                 done = staged.step(optimize=False)
-                run.steps.append(_record(done, params, own_buffers, names, calls, device,
+                run.steps.append(_record(done, params, own_buffers, calls, device,
                                          pipelining.micro_batches, len(phase.tasks)))
                 optimizer.step()
             where = "the end"
@@ -154,9 +154,9 @@ def run_staged(case: Case, impl: Implementation | None, *, device: torch.device,
     return run
 
 
-def _record(done: RankStep, params: list[tuple[str, Any]], own_buffers: list[str],
-            names: UserNames,
-            calls: dict[str, list[int]], device: torch.device,
+def _record(done: RankStep, params: list[tuple[str, Any]],
+            own_buffers: list[tuple[str, Tensor]], calls: dict[str, list[int]],
+            device: torch.device,
             micro_batches: int, tasks: int) -> StepRecord:
     """The step as ``run_path`` records one, put together from every rank. ``tasks``: the
     backward passes on this rank that re-ran a segment; a schedule that splits backward
@@ -164,7 +164,7 @@ def _record(done: RankStep, params: list[tuple[str, Any]], own_buffers: list[str
     of parameters) makes several per micro-batch, and each may re-run a segment once."""
     local = {
         "grads": {f"param:{n}": g for n, g in done.grads.items()},
-        "buffers": {n: b.detach().clone() for n, b in names.buffers() if n in own_buffers},
+        "buffers": {n: b.detach().clone() for n, b in own_buffers},
         "loss": torch.stack(done.losses).sum() / micro_batches if done.losses else None,
         "outputs": done.output,
         "calls": {n: list(c) for n, c in calls.items()},
