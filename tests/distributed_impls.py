@@ -17,6 +17,7 @@ over; under data parallelism (DDP, FSDP) each rank is alone in it, since each ha
 from __future__ import annotations
 
 import contextlib
+import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -344,15 +345,18 @@ class _KeepsGathered(Recompute):
         finally:
             for hook in hooks:
                 hook.remove()
-            _GATHERED[id(self.module)] = seen
+            _GATHERED[self.module] = seen
 
     def rerun(self, run: Callable[..., Any], inputs: list[Tensor]) -> Any:
-        with _reparametrize_module(self.module, _GATHERED.get(id(self.module), {})):
+        with _reparametrize_module(self.module, _GATHERED.get(self.module, {})):
             return run(*inputs)
 
 
-#: the gathered parameters each segment's forward computed with, kept for its re-run
-_GATHERED: dict[int, dict[str, Tensor]] = {}
+#: the gathered parameters each segment's forward computed with, kept for its re-run; keyed
+#: by the module itself, not its id: a later case's module may take a freed one's id, and
+#: re-running it with another case's parameters desynchronises the ranks' collectives
+#: (a gloo abort, not the fault this mutant stands for)
+_GATHERED: weakref.WeakKeyDictionary[nn.Module, dict[str, Tensor]] = weakref.WeakKeyDictionary()
 
 
 def keeps_gathered_parameters(function: Any, *args: Any, **kwargs: Any) -> Any:
