@@ -61,6 +61,17 @@ One more gives segments the outputs library layers return, off (``plain``) by de
   "router_z_loss": aux}`` read by key (``dict``), a ``ModelOutput``-like dataclass
   (``dataclass``) or a named tuple (``namedtuple``) read by attribute. A checkpoint must
   hand back that structure, ``None`` fields included.
+
+And one replaces the feed-forward, off (``0``) by default:
+
+* ``moe_top_k``: each MLP is a mixture of experts (``MoE``): a router sends each token to its
+  top 1 or 2 of four experts, with router jitter noise drawn from the RNG, a capacity per
+  expert past which tokens are dropped, a shared expert every token goes through, a
+  load-balancing loss and a z-loss attached to the activations by a custom autograd function
+  (Megatron's ``MoEAuxLossAutoScaler``), and the tokens each expert took counted in a buffer,
+  guarded per call so that a recompute does not count them again. A re-run one rounding step
+  apart from its forward can send a token to another expert: a large gradient error, where a
+  dense layer hides it within a tolerance.
 """
 
 from __future__ import annotations
@@ -278,6 +289,146 @@ class MLP(nn.Module):
         return out
 
 
+#: Experts per mixture-of-experts layer (``moe_top_k``), beside the shared one.
+MOE_EXPERTS = 4
+#: Tokens an expert takes per forward, as a multiple of an even share: the rest are dropped.
+MOE_CAPACITY_FACTOR = 1.25
+#: Router jitter: the router's input scaled by a factor drawn from U(1 - eps, 1 + eps).
+MOE_JITTER = 0.05
+#: The weights of the load-balancing loss (Switch Transformer) and the router z-loss (ST-MoE).
+MOE_BALANCE_COEFF = 1e-2
+MOE_Z_COEFF = 1e-3
+
+
+class Expert(nn.Module):
+    """One expert: the dense MLP's projections and activation; the shared expert keeps the
+    dense MLP's dropout too (``mlp_dropout``), the routed ones none."""
+
+    def __init__(self, config: TransformerConfig, dropout: float = 0.0) -> None:
+        super().__init__()
+        self.mlp_dropout = nn.Dropout(dropout)
+        hidden = config.ffn_mult * config.n_embd
+        self.swiglu = config.activation == "swiglu"
+        self.fc = nn.Linear(config.n_embd, (2 if self.swiglu else 1) * hidden, bias=config.bias)
+        activations = {"gelu": nn.GELU, "relu": nn.ReLU, "rrelu": RandomSlopeReLU,
+                       "swiglu": nn.SiLU}
+        self.act = activations[config.activation]()
+        self.proj = nn.Linear(hidden, config.n_embd, bias=config.bias)
+
+    def forward(self, h: Tensor) -> Tensor:
+        if self.swiglu:
+            gate, up = self.fc(h).chunk(2, dim=-1)
+            hidden = self.act(gate) * up
+        else:
+            hidden = self.act(self.fc(h))
+        out: Tensor = self.proj(self.mlp_dropout(hidden))
+        return out
+
+
+class AttachAuxLoss(torch.autograd.Function):
+    """Hands ``output`` on unchanged and gives ``aux`` the gradient 1 in backward: the router's
+    losses reach training without reaching the model's outputs (Megatron's
+    ``MoEAuxLossAutoScaler``; DeepSpeed's and torchtitan's MoE attach theirs the same way)."""
+
+    @staticmethod
+    def forward(ctx: Any, output: Tensor, aux: Tensor) -> Tensor:
+        ctx.save_for_backward(aux)
+        return output.view_as(output)
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, Tensor]:
+        (aux,) = ctx.saved_tensors
+        return grad, torch.ones_like(aux)
+
+
+class MoE(nn.Module):
+    """A mixture-of-experts feed-forward in the place of ``MLP``: top-k routing over
+    ``MOE_EXPERTS`` experts and a shared one, as Switch, GShard and DeepSeek-MoE route.
+
+    Routing is decided in fp32 (``gate`` logits, softmax, ``topk``: a routing decision is
+    discrete, so a re-run whose logits are one rounding step away from the forward's may send
+    a token elsewhere); tokens past an expert's capacity are dropped, first choices before
+    second ones, in token order; the chosen experts' outputs are weighted by the normalised
+    router probabilities. The tokens each expert took are counted in ``tokens_per_expert`` by
+    every training-mode forward and by no re-run of it inside backward, the guard real MoE
+    code keeps for its load statistics."""
+
+    tokens_per_expert: Tensor
+    router: Router
+
+    def __init__(self, config: TransformerConfig) -> None:
+        super().__init__()
+        self.top_k = config.moe_top_k
+        self.stats = RunningStats(config.n_embd) if config.running_stats else None
+        self.gate = nn.Linear(config.n_embd, MOE_EXPERTS, bias=False)
+        # small, as real routers start (Mixtral's initializer_range): every expert is near
+        # the top for many tokens, so routing is as sensitive as in training
+        nn.init.normal_(self.gate.weight, std=0.02)
+        self.experts = nn.ModuleList(Expert(config) for _ in range(MOE_EXPERTS))
+        self.shared_expert = Expert(config, config.mlp_dropout)
+        self.resid_dropout = nn.Dropout(config.resid_dropout, inplace=config.inplace_ops)
+        self.register_buffer("tokens_per_expert", torch.zeros(MOE_EXPERTS, dtype=torch.long))
+        # Under ``outside_params``: this layer's gate, owned by the model.
+        self.outside_gate: Callable[[], Tensor] | None = None
+
+    def forward(self, h: Tensor) -> Tensor:
+        if self.stats is not None:
+            self.stats(h)
+        shape = h.shape
+        tokens = h.reshape(-1, shape[-1])
+        routed = tokens
+        if self.training:  # router jitter noise (Switch Transformer), from the RNG
+            noise = torch.empty_like(tokens).uniform_(1.0 - MOE_JITTER, 1.0 + MOE_JITTER)
+            routed = tokens * noise
+        logits = self.gate(routed).float()  # (N, E)
+        probs = logits.softmax(dim=-1)
+        weights, chosen = probs.topk(self.top_k, dim=-1)  # (N, k)
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+        kept = _within_capacity(chosen)  # (N, k)
+        out = self.shared_expert(tokens)
+        for e, expert in enumerate(self.experts):
+            rows, slot = torch.nonzero((chosen == e) & kept, as_tuple=True)
+            if rows.numel():
+                given = expert(tokens[rows]) * weights[rows, slot, None].to(tokens.dtype)
+                out = out.index_add(0, rows, given.to(out.dtype))
+        if self.training:
+            self._count(chosen, kept)
+            out = AttachAuxLoss.apply(  # type: ignore[no-untyped-call]  # untyped in torch
+                out, _router_losses(logits, probs, chosen))
+        out = out.reshape(shape)
+        if self.outside_gate is not None:
+            out = out * self.outside_gate()
+        result: Tensor = self.resid_dropout(out)
+        return result
+
+    def _count(self, chosen: Tensor, kept: Tensor) -> None:
+        if recomputing():  # a re-run repeats a forward: it routes no new tokens
+            return
+        with torch.no_grad():
+            self.tokens_per_expert.add_(torch.bincount(chosen[kept], minlength=MOE_EXPERTS))
+
+
+def _within_capacity(chosen: Tensor) -> Tensor:
+    """Which of each token's choices its expert takes: each expert takes
+    ``MOE_CAPACITY_FACTOR`` times an even share of the choices, first choices of every
+    token before second ones, in token order (GShard's priority); the rest are dropped."""
+    n, k = chosen.shape
+    capacity = math.ceil(MOE_CAPACITY_FACTOR * n * k / MOE_EXPERTS)
+    one_hot = F.one_hot(chosen.t().reshape(-1), MOE_EXPERTS)  # (k * N, E), by choice rank
+    position = one_hot.cumsum(dim=0) * one_hot  # 1-based place in its expert's queue
+    kept = (position.sum(dim=-1) <= capacity).reshape(k, n).t()
+    return kept
+
+
+def _router_losses(logits: Tensor, probs: Tensor, chosen: Tensor) -> Tensor:
+    """The load-balancing loss (the share of choices each expert got times its mean router
+    probability, Switch Transformer) and the router z-loss (ST-MoE), weighted, in fp32."""
+    share = F.one_hot(chosen, MOE_EXPERTS).float().mean(dim=(0, 1))  # (E,)
+    balance = MOE_EXPERTS * (share * probs.mean(dim=0)).sum()
+    z = torch.logsumexp(logits, dim=-1).square().mean()
+    return MOE_BALANCE_COEFF * balance + MOE_Z_COEFF * z
+
+
 class Block(nn.Module):
     """One layer. Its sub-blocks also go through the router (attention/MLP-only granularity)."""
 
@@ -289,7 +440,7 @@ class Block(nn.Module):
         self.norm_1 = make_norm(config)
         self.attn = Attention(config)
         self.norm_2 = make_norm(config)
-        self.mlp = MLP(config)
+        self.mlp: MLP | MoE = MoE(config) if config.moe_top_k else MLP(config)
         self.drop_path = DropPath(config.drop_path)
         # How much of the embedding is mixed back in; 1-D, as FSDP shards no 0-dim parameter.
         self.x0_gate = nn.Parameter(torch.full((1,), 0.1))
@@ -553,6 +704,7 @@ class TransformerConfig:
     outside_params: bool = False  # layers read a projection and gates the model owns
     # what each layer returns: the tensor, or a structure with None fields (SEGMENT_OUTPUTS)
     segment_outputs: Literal["plain", "tuple-none", "dict", "dataclass", "namedtuple"] = "plain"
+    moe_top_k: int = 0  # 1 or 2: each MLP a mixture of experts routing each token to its top k
 
     def __post_init__(self) -> None:
         for name in ("n_layer", "n_embd", "n_head", "ffn_mult", "vocab_size", "max_seq_len",
@@ -560,6 +712,9 @@ class TransformerConfig:
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
                 raise InvalidArgument(f"{name}={value!r}: must be a whole number >= 1")
+        if self.moe_top_k not in (0, 1, 2):
+            raise InvalidArgument(f"moe_top_k={self.moe_top_k!r}: must be 0 (a dense MLP), 1 "
+                                  f"or 2 (experts each token is routed to)")
         for name in ("aux_loss", "x0_keyword", "running_stats", "fp32_last_layer",
                      "frozen_first_layer", "nested_inputs", "inplace_ops", "value_hooks",
                      "outside_params"):
@@ -583,7 +738,8 @@ class TransformerConfig:
 
     @property
     def has_randomness(self) -> bool:
-        return self.activation == "rrelu" or any(getattr(self, p) > 0 for p in DROPOUT_SITES)
+        return (self.activation == "rrelu" or self.moe_top_k > 0  # router jitter
+                or any(getattr(self, p) > 0 for p in DROPOUT_SITES))
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -645,7 +801,8 @@ def _add_value_hooks(block: Block, config: TransformerConfig) -> None:
     that rescales the attention's and the MLP's input, a steering vector added to the
     layer's output."""
     _lora(block.attn.qkv, _LORA_RANK)
-    _lora(block.mlp.fc, _LORA_RANK)
+    mlp = block.mlp
+    _lora(mlp.fc if isinstance(mlp, MLP) else mlp.shared_expert.fc, _LORA_RANK)
     block.attn.register_forward_pre_hook(_rescale_input)
     block.mlp.register_forward_pre_hook(_rescale_input)
     block.register_parameter("steering", nn.Parameter(torch.randn(config.n_embd) * 0.1))

@@ -81,6 +81,9 @@ _BOOLEANS = st.booleans()
 #: fields; both choices made always, so they keep their places while shrinking.
 _SEGMENT_OUTPUTS = st.tuples(st.booleans(), st.sampled_from(SEGMENT_OUTPUTS[1:])).map(
     lambda drawn: drawn[1] if drawn[0] else SEGMENT_OUTPUTS[0])
+#: Experts per token under a mixture of experts: a dense MLP (0) first and in half the draws
+#: (experts cost a case more ops), top-1 or top-2 routing in the rest.
+_MOE_TOP_K = st.sampled_from((0, 0, 1, 2))
 _integers = _cached(st.integers)
 _TRUE_FIRST = st.booleans().map(lambda b: not b)  # shrinks towards True
 
@@ -163,7 +166,8 @@ def transformer_configs(
     positional, in-place ops, value-changing hooks (LoRA, input rescale, steering) and
     parameters read from outside the segment's module; and, drawn first, the structure
     each layer returns its hidden state in (a tuple, dict, dataclass or named tuple with
-    None fields, in one draw of two). Shrinks towards plain outputs, one layer, one
+    None fields, in one draw of two) and a mixture of experts in place of each MLP (top-1
+    or top-2 routing). Shrinks towards plain outputs, dense MLPs, one layer, one
     head of width 4, SDPA, pre-LayerNorm, GELU, one tensor out, each layer once, no
     buffers, plain positional inputs, no in-place ops, no hooks, no outside parameters.
     """
@@ -172,6 +176,7 @@ def transformer_configs(
         raise InvalidArgument(f"max_width={max_width!r}: must be at least 4")
     # First, so that the shrinker takes it off first: what a failure does not need goes.
     segment_outputs: Any = draw(_SEGMENT_OUTPUTS)  # one of the config's Literal values
+    moe_top_k = draw(_MOE_TOP_K)
     # Config field names known only at run time: the ** below cannot be checked per field.
     rates: dict[str, Any] = draw(dropout if dropout is not None else dropout_regimes())
     n_layer = draw(_integers(min_layers, max_layers))
@@ -199,6 +204,7 @@ def transformer_configs(
         value_hooks=draw(_BOOLEANS),
         outside_params=draw(_BOOLEANS),
         segment_outputs=segment_outputs,
+        moe_top_k=moe_top_k,
         **rates,
     )
 
@@ -596,8 +602,11 @@ def _fit_engine(drawn: tuple[Case, Parallel], world_size: int = 2) -> tuple[Case
     meets bf16 parameters with other dtypes, which torch's CPU kernels refuse); sequence
     parallelism splits the norm that feeds the MLP, which only pre-norm layers have, and
     hands the MLP a DTensor, which a plain buffer's running statistics cannot take in, and
-    its norm's parameters become DTensors, which the layers' shared ones cannot be."""
+    its norm's parameters become DTensors, which the layers' shared ones cannot be; no
+    engine trains a mixture of experts yet (``case_refusal``)."""
     case, parallel = drawn
+    if isinstance(case.model, TransformerConfig) and case.model.moe_top_k:
+        case = replace(case, model=replace(case.model, moe_top_k=0))  # see case_refusal
     if parallel.mixed_precision and case.dtype != "fp32":
         case = replace(case, dtype="fp32")
     if parallel.splits_layers and isinstance(case.model, TransformerConfig) \

@@ -26,6 +26,7 @@ EXPECTED = {
     "caller-stream-moved-once": ("2L-layer-manual-attn", "rng-stream-moved"),
     "dropout-off": ("1L-layer-dropout", "dropout-skipped"),
     "autocast-lost": ("2L-layer-bf16-dropout", "autocast-lost"),
+    "rerun-other-attention-kernel": ("2L-layer-bf16-nodropout", "kernel-changed"),
     "kwargs-dropped": ("1L-layer-dropout", "inputs-lost"),
     "input-grads-dropped": ("1L-layer-dropout", "input-grads-dropped"),
     "inputs-detached": ("1L-layer-dropout", "input-grads-dropped"),

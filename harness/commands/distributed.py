@@ -161,6 +161,12 @@ def case_refusal(case: Case, world_size: int) -> str:
                 f"forward and one loss.backward() per step, every parameter trained; give it "
                 f"a case with grad_mode='backward', schedule='one', backward_passes=1, "
                 f"backward_autocast=false, trainable='all'")
+    experts = getattr(case.model, "moe_top_k", 0)
+    if experts:
+        return (f"moe_top_k={experts}: the engines' set-ups shard and wrap the "
+                f"dense MLP (tensor parallelism's plan names mlp.fc and mlp.proj, DDP needs "
+                f"every parameter used, and an expert no token reached is not); give the case "
+                f"moe_top_k=0")
     return ""
 
 

@@ -241,6 +241,7 @@ class Case:
                             if getattr(m, knob))
             size += f", each layer x{m.layer_repeats}" if m.layer_repeats > 1 else ""
             size += f", {m.segment_outputs} outputs" if m.segment_outputs != "plain" else ""
+            size += f", MoE top-{m.moe_top_k}" if m.moe_top_k else ""
         return (f"{size}, {self.granularity}, {self.dtype}{self._training()}, {rand}, "
                 f"seed {self.seed}")
 

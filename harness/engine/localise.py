@@ -78,6 +78,8 @@ class _Op:
     op: str
     module: str
     value: Tensor | None  # the first tensor output, cloned; None for ops without one
+    #: a ``topk``'s indices (a router's choice of experts), cloned; None for other ops
+    chosen: Tensor | None = None
 
     def signature(self) -> str:
         v = self.value
@@ -110,6 +112,9 @@ class Divergence:
     #: that shares its memory, not its counter, so a check of saved tensors' versions
     #: (torch's selective checkpoint's) cannot see it
     stale_unversioned: bool = False
+    #: the re-run chose other top-k indices than its forward for some rows: a router that
+    #: sent tokens to other experts ("" when every choice matched, or none was made)
+    rerouted: str = ""
 
     def describe(self) -> str:
         where = f"{self.op} in {self.module or self.segment} (op {self.index} of {self.segment})"
@@ -160,7 +165,9 @@ class _Recorder(TorchDispatchMode):  # type: ignore[no-untyped-call]  # untyped 
         if ops is not None and not _skipped(func) and not self.owner.writes_buffer(func, args):
             first = first_tensor(out)
             value = first.detach().clone() if first is not None else None
-            recorded = _Op(str(func.overloadpacket.__name__), self.owner.module_path(), value)
+            name = str(func.overloadpacket.__name__)
+            chosen = out[1].detach().clone() if name == "topk" else None
+            recorded = _Op(name, self.owner.module_path(), value, chosen)
             ops.append(recorded)
             if not self.owner.backward:
                 self.owner.made.made(recorded, out, ops, self.owner)
@@ -524,8 +531,27 @@ def _compare_runs(segment: str, forward: list[list[_Op]], again: list[list[_Op]]
         if found is None:
             return None
         draws = (_draws(compared[which]), _draws(run))
-        return replace(found, past_hooks=id(run) in past_hooks, draws=draws)
+        return replace(found, past_hooks=id(run) in past_hooks, draws=draws,
+                       rerouted=_rerouted(segment, compared[which], run))
     return None
+
+
+def _rerouted(segment: str, forward: list[_Op], again: list[_Op]) -> str:
+    """The first top-k choice the re-run made otherwise than its forward, said as routing:
+    how many rows (tokens) got another set of indices (experts), in which module. The
+    ``topk`` ops of the two runs are paired in order; "" when all that were made match."""
+    chosen = zip((op for op in forward if op.chosen is not None),
+                 (op for op in again if op.chosen is not None))
+    for a, b in chosen:
+        if a.chosen is None or b.chosen is None or a.chosen.shape != b.chosen.shape:
+            continue  # another number of tokens: the divergence already says so
+        first, second = a.chosen.sort(dim=-1).values, b.chosen.sort(dim=-1).values
+        rows = first.reshape(-1, first.shape[-1]) if first.dim() else first.reshape(1, 1)
+        moved = int((rows != second.reshape(rows.shape)).any(dim=-1).sum())
+        if moved:
+            return (f"the re-run sent {moved} of {rows.shape[0]} tokens of "
+                    f"{b.module or segment} to other experts than the forward did")
+    return ""
 
 
 def _draws(ops: list[_Op]) -> int:

@@ -108,6 +108,13 @@ def default_cases() -> list[Case]:
         # Layers returning a dict with None fields beside an aux loss, as library layers do
         _case("2L-layer-dict-outputs-aux-dropout", replace(
             _SMALL, segment_outputs="dict", aux_loss=True, **_ALL_DROPOUT), "layer", seed=49),
+        # A mixture of experts in each layer: top-2 routing with jitter noise, capacity and
+        # the router's losses attached to the activations; top-1 under bf16 at MLP
+        # granularity, where the expert load is counted inside the re-run segment
+        _case("2L-layer-moe-top2-dropout", replace(_SMALL, moe_top_k=2, **_ALL_DROPOUT),
+              "layer", batch=BatchConfig(4, 8), seed=50),
+        _case("2L-mlp-bf16-moe-top1", replace(_SMALL, moe_top_k=1), "mlp", "bf16-autocast",
+              batch=BatchConfig(4, 8), seed=51),
         # How real training loops drive a segment: several micro-batches in flight, several
         # backward passes over one forward, backward inside autocast, frozen parameters
         _case("2L-layer-gpipe-dropout", replace(_SMALL, **_ALL_DROPOUT), "layer",

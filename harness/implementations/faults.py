@@ -38,6 +38,7 @@ from typing import Any
 
 import torch
 from torch import Tensor, nn
+from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten, tree_unflatten
@@ -56,6 +57,8 @@ class Faults:
     cuda_rng_not_restored: bool = False  # CPU state restored, the CUDA generator's not
     dropout_off: bool = False  # recompute runs the segment in eval mode
     autocast_lost: bool = False  # recompute runs outside the caller's autocast
+    rerun_other_attention_kernel: bool = False  # recompute outside the forward's SDPA
+    #                                             backend choice: another kernel, other rounding
     kwargs_dropped: bool = False  # keyword arguments reach the first run only
     input_grads_dropped: bool = False  # only the first input gets its gradient
     inputs_detached: bool = False  # segment run on detached inputs: no gradient reaches them
@@ -192,6 +195,12 @@ MUTANTS: tuple[Mutant, ...] = (
     _mutant("dropout_off", "recompute under model.eval() or with dropout disabled"),
     _mutant("autocast_lost", "recompute outside the forward's autocast region (Megatron's "
                              "CheckpointFunction outside fp8_autocast)", f"{_MEGATRON}/pull/7538"),
+    _mutant("rerun_other_attention_kernel", "recompute outside the forward's attention-backend "
+                                            "choice (sdpa_kernel): the re-run computes "
+                                            "attention with another kernel, one rounding "
+                                            "step apart, which sends tokens of a mixture of "
+                                            "experts to other experts",
+            "https://github.com/NVIDIA-NeMo/Automodel/pull/2761"),
     _mutant("kwargs_dropped", "keyword arguments not forwarded to the recompute (an "
                               "attention mask ignored under checkpointing)",
             "https://github.com/lightly-ai/lightly/issues/2049"),
@@ -899,11 +908,13 @@ def _recompute_state(run: _Run, state: _State, first: bool) -> Iterator[None]:
             for kind in _AUTOCAST_DEVICES:
                 if torch.is_autocast_enabled(kind):
                     autocast.enter_context(torch.autocast(kind, enabled=False))
+        kernel: Any = (sdpa_kernel(SDPBackend.MATH) if faults.rerun_other_attention_kernel
+                       else contextlib.nullcontext())
         was_training = module.training if module is not None else None
         if module is not None and faults.dropout_off:
             module.eval()
         try:
-            with autocast:
+            with autocast, kernel:
                 yield
         finally:
             if module is not None and was_training is not None:

@@ -42,7 +42,8 @@ CAUSES = ("raised", "output-structure", "refuses-autograd-grad", "refuses-patter
           "process",
           "global-state",
           "rng-not-restored",
-          "autocast-lost", "dropout-skipped", "saved-output-changed", "inputs-lost",
+          "autocast-lost", "kernel-changed", "dropout-skipped", "saved-output-changed",
+          "inputs-lost",
           "hooks-skipped", "no-input-requires-grad",
           "input-grads-dropped", "grad-mode-ignored",
           "grad-touched", "model-own-generator", "model-python-random", "model-rerun-raised",
@@ -78,6 +79,9 @@ def diagnose(failure: dict[str, Any], record: dict[str, Any] | None) -> Diagnosi
     cause, sentence = _cause(failure, record, failing)
     sentence = _named_generator(failure, cause) or sentence
     cause, sentence = _model_state(failure, record, cause) or (cause, sentence)
+    rerouted = (failure.get("first_diverging_op") or {}).get("rerouted")
+    if rerouted:  # what the fault did to a routed model, before why
+        sentence = f"{rerouted}, as {sentence}"
     also = _further_faults(cause, failure, record, failing)
     faults = [{"cause": c, "sentence": s} for c, s in [(cause, sentence), *also]]
     for _, other in also:
@@ -714,6 +718,14 @@ def _from_divergence(op: dict[str, Any]) -> tuple[str, str] | None:
             f"takes another path from {where} on: the recompute runs the segment with dropout "
             f"off (in eval mode, or with its dropout disabled); carry the segment's training "
             f"mode into the re-run")
+    kernels = [name for name in (forward, again) if "scaled_dot_product" in name]
+    if kernels and forward != again:
+        return "kernel-changed", (
+            f"the re-run of {op['segment']} computes attention in "
+            f"{op.get('module') or op['segment']} with another kernel than its forward "
+            f"(forward: {forward}, re-run: {again}; the two round differently): the "
+            f"attention backend chosen around the forward (sdpa_kernel, a backend flag) is not "
+            f"in force around the re-run; re-enter the forward's choice in the recompute")
     if shape_a != shape_b or forward != again:
         return "inputs-lost", (
             f"the re-run of {op['segment']} is not the same computation: at {where} the "
