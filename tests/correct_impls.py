@@ -383,3 +383,63 @@ def partitioned_reusing_checkpoint(function: Any, *args: Any, **kwargs: Any) -> 
     allocator does this by itself)."""
     call, inputs = tensors_positional(function, args, kwargs)
     return _PartitionedInPlace.apply(call, True, *inputs)
+
+
+class _GraphTaskFrame:
+    """One call of ``graph_task_checkpoint``: the forward keeps its inputs, RNG and autocast
+    state and an index for each tensor autograd saves; each backward pass (graph task) that
+    asks for one re-runs the segment once for itself and hands the re-run's tensors over,
+    as torch's non-reentrant checkpoint keeps them (``recomputed[gid]``)."""
+
+    def __init__(self, run: Callable[[list[torch.Tensor]], Any],
+                 tensors: list[torch.Tensor]) -> None:
+        self.run = run
+        self.inputs = [t.detach() for t in tensors]
+        self.needs = [t.requires_grad for t in tensors]
+        self.state = (_rng_state(), _autocast_state())
+        self.count = 0
+        self.recomputed: dict[int, dict[int, torch.Tensor]] = {}
+
+    def pack(self, t: torch.Tensor) -> int:
+        self.count += 1
+        return self.count - 1
+
+    def unpack(self, index: int) -> torch.Tensor:
+        task = torch._C._current_graph_task_id()
+        if task not in self.recomputed:
+            self.recomputed[task] = dict(enumerate(self._rerun()))
+        mine = self.recomputed[task]
+        saved = mine.pop(index)
+        if not mine:  # all handed over: this pass is done with them
+            del self.recomputed[task]
+        return saved
+
+    def _rerun(self) -> list[torch.Tensor]:
+        saved: list[torch.Tensor] = []
+
+        def collect(t: torch.Tensor) -> None:
+            saved.append(t.detach())
+
+        inputs = [t.detach().requires_grad_(n) for t, n in zip(self.inputs, self.needs)]
+        with _as_in_forward(*self.state), torch.enable_grad(), \
+                torch.autograd.graph.saved_tensors_hooks(collect, _unpacked_never):
+            self.run(inputs)
+        if len(saved) != self.count:
+            raise RuntimeError(f"the re-run saved {len(saved)} tensors, the forward "
+                               f"{self.count}")
+        return saved
+
+
+def _unpacked_never(packed: Any) -> torch.Tensor:
+    raise AssertionError("nothing unpacks what a re-run saved")
+
+
+def graph_task_checkpoint(function: Any, *args: Any, **kwargs: Any) -> Any:
+    """Non-reentrant through saved-tensor hooks, one re-run per backward pass: the re-run's
+    tensors kept under the graph task that asked for them, so a zero-bubble schedule's input
+    pass and its later weight passes (other graph tasks over the same forward, other
+    micro-batches in between) each re-run the call for themselves."""
+    run, tensors, _ = call_parts(function, args, kwargs)
+    frame = _GraphTaskFrame(run, tensors)
+    with torch.autograd.graph.saved_tensors_hooks(frame.pack, frame.unpack):
+        return run(tensors)

@@ -156,6 +156,7 @@ def test_layouts_that_do_not_fit_are_refused_before_any_rank_starts() -> None:
     too_many = pipeline_refusal(CASE, Pipelining("interleaved-1f1b", 4), world_size=3)
     assert too_many is not None and "6 stages" in too_many
     assert "micro_batches >= 4" in (pipeline_refusal(CASE, Pipelining("dualpipev", 2)) or "")
+    assert "micro_batches >= 2" in (pipeline_refusal(CASE, Pipelining("1f1b", 1)) or "")
     assert "batch_size=4" in (pipeline_refusal(CASE, Pipelining("gpipe", 8)) or "")
     shared = replace(CASE, model=replace(CASE.model, layer_repeats=2))
     assert pipeline_refusal(shared, Pipelining("gpipe", 2)) is None
@@ -252,3 +253,84 @@ def test_a_stash_freed_by_the_first_backward_fails_only_where_the_weight_pass_is
     for schedule in ("interleaved-zero-bubble", "zbv-zero-bubble"):
         error = verdicts[schedule].error or ""
         assert "freed by an earlier backward pass" in error, schedule
+
+
+def _each(runs: list[tuple[str, Any, Pipelining]]) -> list[Any]:
+    """Each (implementation, case, layout)'s verdict under ``gradequiv distributed --wrapper
+    pp``, from one pool of two ranks."""
+    from gradequiv.harness import resolve
+    from gradequiv.harness.commands.distributed import RankPool
+    from gradequiv.harness.engine.parallel import Parallel
+
+    with RankPool(resolve("torch"), world_size=2, timeout_s=120) as pool:
+        return [pool.run(case, Parallel("pp", pipeline=layout), impl=resolve(impl))
+                for impl, case, layout in runs]
+
+
+def _fails_on_both_ranks(verdict: Any, says: str) -> None:
+    assert not verdict.passed and verdict.error is None, verdict.error
+    assert len(verdict.failures) == 2
+    for rank, line in enumerate(verdict.failures):
+        assert line.startswith(f"rank {rank}: {says}"), line
+
+
+def test_a_stack_of_boundaries_per_stage_fails_once_micro_batches_are_in_flight() -> None:
+    """One stack per process, popped from the top: torch's GPipe and 1F1B run micro-batch
+    0's backward first and re-run it with micro-batch 1's inputs and masks; with one
+    micro-batch it is right, and in one process where backward runs the latest micro-batch
+    first it is right too, where the slot per module is not (another fault)."""
+    from gradequiv.harness import resolve
+    from gradequiv.harness.engine.verify import verify
+
+    stack = "pipeline_impls:stage_stack_checkpoint"
+    gpipe, one_f_one_b, alone = _each([(stack, CASE, Pipelining("gpipe", 2)),
+                                       (stack, CASE, Pipelining("1f1b", 2)),
+                                       (stack, CASE, Pipelining("gpipe", 1))])
+    for verdict in (gpipe, one_f_one_b):
+        _fails_on_both_ranks(verdict, "gradients: grad of blocks.0.norm_2.weight: relative "
+                                      "error 1.2")
+    assert alone.passed, alone.failures
+    torch.set_num_threads(1)
+    reverse = replace(CASE, schedule="gpipe-reverse")
+    assert verify(resolve(stack), reverse).passed
+    assert not verify(resolve("pipeline_impls:module_slot_checkpoint"), reverse).passed
+
+
+def test_a_re_run_under_backwards_autocast_fails_where_the_schedule_runs_backward_outside(
+        ) -> None:
+    """A stage enters the case's bf16 autocast in its forward; torch's schedule runs every
+    backward outside it, so a checkpoint that re-runs under the autocast of the moment
+    re-runs in fp32. The same checkpoint is right in one process whose backward runs inside
+    the forward's autocast block, and under the schedule without autocast; torch's
+    checkpoint passes the bf16 case under the schedule."""
+    from gradequiv.harness import resolve
+    from gradequiv.harness.engine.verify import verify
+
+    mutant = "pipeline_impls:autocast_read_at_rerun"
+    bf16 = replace(CASE, dtype="bf16-autocast")
+    *wrong, fp32, torch_own = _each([(mutant, bf16, Pipelining("gpipe", 2)),
+                                     (mutant, bf16, Pipelining("1f1b", 2)),
+                                     (mutant, CASE, Pipelining("1f1b", 2)),
+                                     ("torch", bf16, Pipelining("1f1b", 2))])
+    for verdict in wrong:
+        _fails_on_both_ranks(verdict, "gradients: grad of blocks.1.mlp.fc.weight: relative "
+                                      "error 0.0")
+    assert fp32.passed, fp32.failures
+    assert torch_own.passed, torch_own.failures
+    torch.set_num_threads(1)
+    assert verify(resolve(mutant), replace(bf16, backward_autocast=True)).passed
+
+
+def test_per_call_peers_pass_under_every_schedule_zero_bubble_included() -> None:
+    """A stash keyed per call and a saved-tensor-hooks checkpoint that re-runs once per
+    backward pass: zero bubble's input pass and its weight passes each find what they need,
+    the hooks' one under bf16 autocast too."""
+    peers = ["correct_impls:call_keyed_stash_checkpoint", "correct_impls:graph_task_checkpoint"]
+    schedules = ["gpipe", "1f1b", "interleaved-zero-bubble", "zbv-zero-bubble"]
+    runs = [(peer, CASE, _pipelining(s)) for peer in peers for s in schedules]
+    runs.append((peers[1], replace(CASE, dtype="bf16-autocast"), _pipelining(schedules[-1])))
+    for run, verdict in zip(runs, _each(runs), strict=True):
+        assert verdict.passed, (run, verdict.error, verdict.failures)
+        for rank in verdict.verdicts:
+            checked = {p.name for p in rank.properties if p.passed}
+            assert {"gradients", "recompute"} <= checked, run

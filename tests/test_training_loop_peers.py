@@ -22,7 +22,7 @@ CASES = ("2L-layer-gpipe-dropout", "2L-layer-gpipe-reverse-two-losses-dropout",
          "2L-layer-manual-attn")
 
 PEERS = ("call_keyed_stash_checkpoint", "host_pool_checkpoint", "cleared_leaves_checkpoint",
-         "per_call_trainable_checkpoint")
+         "per_call_trainable_checkpoint", "graph_task_checkpoint")
 
 
 #: Each peer's own family, in the default suite; every other pair in the slow sweep.
@@ -30,7 +30,9 @@ _OWN = {"call_keyed_stash_checkpoint": ("2L-layer-gpipe-dropout", "2L-layer-1f1b
         "host_pool_checkpoint": ("2L-layer-1f1b-dropout", "2L-layer-two-losses-dropout"),
         "cleared_leaves_checkpoint": ("2L-layer-gpipe-reverse-two-losses-dropout",),
         "per_call_trainable_checkpoint": ("2L-layer-changing-trainable-dropout",
-                                          "3L-layer-frozen-layer-dropout")}
+                                          "3L-layer-frozen-layer-dropout"),
+        "graph_task_checkpoint": ("2L-layer-two-losses-dropout",
+                                  "2L-layer-bf16-fp32-last-layer-backward-autocast")}
 
 
 def _pairs() -> list[object]:

@@ -20,7 +20,7 @@ class _ScheduleKind:
     torch_name: str
     stages_per_rank: int
     style: str = "loop"
-    #: the fewest micro-batches it takes, in stages (DualPipeV: one per stage)
+    #: the fewest micro-batches it takes, in stages (1F1B, DualPipeV: one per stage)
     min_micro_batches_per_stage: int = 0
     #: whether backward is split into an input pass and a later weight pass (zero bubble)
     split_backward: bool = False
@@ -29,7 +29,8 @@ class _ScheduleKind:
 #: torch 2.13's schedules, by the name a case gives them, plainest first.
 PIPELINE_SCHEDULES: dict[str, _ScheduleKind] = {
     "gpipe": _ScheduleKind("ScheduleGPipe", 1),
-    "1f1b": _ScheduleKind("Schedule1F1B", 1),
+    # Schedule1F1B refuses fewer micro-batches than stages when it is made
+    "1f1b": _ScheduleKind("Schedule1F1B", 1, min_micro_batches_per_stage=1),
     "interleaved-1f1b": _ScheduleKind("ScheduleInterleaved1F1B", 2),
     "looped-bfs": _ScheduleKind("ScheduleLoopedBFS", 2),
     "interleaved-zero-bubble": _ScheduleKind("ScheduleInterleavedZeroBubble", 2,
