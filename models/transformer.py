@@ -391,14 +391,16 @@ class MoE(nn.Module):
             if rows.numel():
                 given = expert(tokens[rows]) * weights[rows, slot, None].to(tokens.dtype)
                 out = out.index_add(0, rows, given.to(out.dtype))
-        if self.training:
-            self._count(chosen, kept)
-            out = AttachAuxLoss.apply(  # type: ignore[no-untyped-call]  # untyped in torch
-                out, _router_losses(logits, probs, chosen))
         out = out.reshape(shape)
         if self.outside_gate is not None:
             out = out * self.outside_gate()
         result: Tensor = self.resid_dropout(out)
+        if self.training:
+            self._count(chosen, kept)
+            # last: what the Function hands on is a view of its input, which nothing may
+            # change in place (an in-place dropout after it would be refused)
+            result = AttachAuxLoss.apply(  # type: ignore[no-untyped-call]  # untyped in torch
+                result, _router_losses(logits, probs, chosen))
         return result
 
     def _count(self, chosen: Tensor, kept: Tensor) -> None:

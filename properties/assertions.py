@@ -59,6 +59,9 @@ def assert_property(name: str, impl: Implementation, case: Case, node: pytest.It
     verdict, fresh = run.cache.verify(impl, case, device,
                                       probe=name if shrinking else None)
     message = _failure(name, verdict)
+    fresh_only = _fresh_only(impl, case, device)
+    if message and fresh_only:
+        message = f"{FRESH_ONLY}: {message}"
     command = _reproduce(impl, case, device) if fresh or message else ""
     if fresh:
         record = verdict_record(impl, verdict, device, reproduce=command)
@@ -72,6 +75,8 @@ def assert_property(name: str, impl: Implementation, case: Case, node: pytest.It
         return
     failure = {"property": name, "message": message, "flaky": False,
                "case": case.to_dict(), "description": case.describe(), "reproduce": command}
+    if fresh_only:
+        failure["fresh_process_only"] = True
     if found_by is not None:
         failure["found_by"] = found_by
     elif not shrinking and currently_in_test_context():
@@ -147,6 +152,17 @@ def _reproduce(impl: Implementation, case: Case, device: Any) -> str:
     return reproduce_command(impl, case, device)
 
 
+#: What a named case's failure message begins with where it fails only as the first case of
+#: a fresh process.
+FRESH_ONLY = ("as the first case of a fresh process (it passes in this one, after other "
+              "cases ran)")
+
+
+def _fresh_only(impl: Implementation, case: Case, device: Any) -> bool:
+    key = (runtime.implementation_key(impl), case.to_json(), str(device))
+    return key in runtime.RUN.cache.fresh_only
+
+
 def replay_passes(impl: Implementation, failure: dict[str, Any]) -> bool:
     """Run a failure's case again, outside the cache: does the property hold now?
 
@@ -158,7 +174,8 @@ def replay_passes(impl: Implementation, failure: dict[str, Any]) -> bool:
     key = (runtime.implementation_key(impl), case.to_json())
     if key not in run.cache.replayed:  # tests that share a minimal case share its replay
         device = run.device()
-        replayed = verify(impl, case, device=device, tolerance=run.tolerance(case))
+        replay = run.cache.fresh.verify if _fresh_only(impl, case, device) else verify
+        replayed = replay(impl, case, device=device, tolerance=run.tolerance(case))
         run.cache.replayed[key] = replayed
         first = run.cache.get(impl, case, device)
         if first is not None and (not first.floor_measured or not first.memory_watched
@@ -187,7 +204,10 @@ def locate(impl: Implementation, failure: dict[str, Any], *, named: bool = False
     key = (runtime.implementation_key(impl), case.to_json())
     located = runtime.RUN.cache.located  # the failing tests of a run often share their minimal case
     if key not in located:
-        located[key] = localise(impl, case, runtime.RUN.device())
+        device = runtime.RUN.device()
+        search = runtime.RUN.cache.fresh.localise if _fresh_only(impl, case, device) \
+            else localise
+        located[key] = search(impl, case, device)
     found = located[key]
     failure["localisation"] = found.describe()
     failure["first_diverging_op"] = found.divergence.to_dict() if found.divergence else None

@@ -105,6 +105,8 @@ def pytest_unconfigure(config: pytest.Config) -> None:
         import torch
 
         torch.set_num_threads(threads)
+    if _active(config):
+        runtime.RUN.close()
     if _active(config) and runtime.RUN.pinned:
         from gradequiv.harness.engine.global_state import unpin
 

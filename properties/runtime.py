@@ -74,6 +74,11 @@ class VerdictCache:
         self.located: dict[tuple[str, str], Any] = {}
         #: replays of minimal failures outside the cache, by (implementation, case)
         self.replayed: dict[tuple[str, str], Verdict] = {}
+        #: where named cases are verified as a fresh process would (``engine/fresh.py``):
+        #: set by the suite for an implementation another process can build
+        self.fresh: Any = None
+        #: (implementation, case) keys that fail in a fresh process and pass in this one
+        self.fresh_only: set[tuple[str, str, str]] = set()
 
     def has(self, impl: Implementation, case: Case, device: Any) -> bool:
         key = (implementation_key(impl), case.to_json(), str(device))
@@ -103,10 +108,14 @@ class VerdictCache:
             return self._probes[key][kind], False
         if self.on_start is not None:
             self.on_start(impl, case, device)
-        verdict = verify(impl, case, device=device, tolerance=RUN.tolerance(case),
-                         floor_when_needed=True, watch_memory=kind is None,
-                         always_floor=RUN.options.deterministic and kind is None,
-                         first_step_only=kind == "first step")
+        options = {"tolerance": RUN.tolerance(case), "floor_when_needed": True,
+                   "watch_memory": kind is None,
+                   "always_floor": RUN.options.deterministic and kind is None,
+                   "first_step_only": kind == "first step"}
+        if self.fresh is not None and case.name and kind is None:
+            verdict = self._fresh(impl, case, device, options, key)
+        else:
+            verdict = verify(impl, case, device=device, **options)
         if kind is None:
             self._verdicts[key] = verdict
         else:
@@ -115,11 +124,35 @@ class VerdictCache:
             self.on_verdict(verdict)
         return verdict, True
 
+    def _fresh(self, impl: Implementation, case: Case, device: Any, options: dict[str, Any],
+               key: tuple[str, str, str]) -> Verdict:
+        """A named case's verdict as the first case of a fresh process; where it fails, the
+        case again in this process, to say whether the failure needs a fresh process (state
+        the implementation keeps across cases, set by whichever case ran first)."""
+        from gradequiv.harness import Verdict, verify
+        from gradequiv.harness.engine.fresh import FreshProcessEnded
+
+        try:
+            verdict: Verdict = self.fresh.verify(impl, case, device, **options)
+        except FreshProcessEnded:
+            # here, where a supervisor sees an end of the process and says so
+            here = verify(impl, case, device=device, **options)
+            if not here.passed:
+                return here
+            self.fresh_only.add(key)
+            return Verdict(case=case, impl=impl.spec, device=str(device), error=(
+                "SystemExit: the implementation ended a fresh process running this case (an "
+                "exit or a signal) before it finished"), error_at="the case")
+        if not verdict.passed and verify(impl, case, device=device, **options).passed:
+            self.fresh_only.add(key)
+        return verdict
+
     def clear(self) -> None:
         self._verdicts.clear()
         self._probes.clear()
         self.located.clear()
         self.replayed.clear()
+        self.fresh_only.clear()
 
 
 class SuiteState:
@@ -166,6 +199,22 @@ class SuiteState:
             return impl is not self.implementation()
         except Exception:  # a SPEC that does not resolve: the fixture stood in for it
             return True
+
+    def verify_named_fresh(self, impl: Implementation) -> None:
+        """From now on, named cases of ``impl`` are verified as the first case of a fresh
+        process (``engine/fresh.py``), where another process can build it from its SPEC."""
+        if self.cache.fresh is not None or self.options.impl is None:
+            return
+        from gradequiv.harness.engine.fresh import FreshProcesses, resolvable
+
+        if not self.from_fixture(impl) and resolvable(impl):
+            self.cache.fresh = FreshProcesses()
+
+    def close(self) -> None:
+        """End the run's helper processes."""
+        if self.cache.fresh is not None:
+            self.cache.fresh.close()
+            self.cache.fresh = None
 
     def may_shrink(self, test: str) -> bool:
         """Whether ``test`` may try one more new case while shrinking (counted if so)."""

@@ -162,7 +162,10 @@ if OPTIONS.case is None:  # replaying one case runs the seven properties on it a
     @pytest.mark.parametrize(
         "name", [c.name for i, c in enumerate(_spread()) if OPTIONS.in_shard(i)])
     def test_named_case(recompute_impl: Implementation, name: str, request: Any) -> None:
-        """The fixed spread: every property on each named case."""
+        """The fixed spread: every property on each named case, each verified as the first
+        case of a fresh process (state an implementation keeps across cases cannot hide a
+        fault that a new training process meets)."""
+        runtime.RUN.verify_named_fresh(recompute_impl)
         case = _named(name).with_seed_offset(OPTIONS.seed)
         for prop in PROPERTIES:
             assert_property(prop, recompute_impl, case, request.node)

@@ -239,10 +239,15 @@ def test_shrink_tries_skip_the_memory_watch_and_the_minimal_case_is_kept_whole(
     the record the report keeps."""
     report = failing_run["report"]
     assert report["summary"]["shrink_attempts"] > 0
+    checked = 0
     for failure in report["minimal_failures"]:
         record = next(r for r in report["cases"] if r["reproduce"] == failure["reproduce"])
+        if record["error"]:  # the implementation raised (torch refuses a re-run whose
+            continue         # experts took other tokens: other shapes): nothing to check
         said = " ".join(p["summary"] for p in record["properties"])
         assert "not checked: " not in said, failure["reproduce"]
+        checked += 1
+    assert checked
 
 
 def test_a_probe_verdict_is_never_handed_to_a_test_that_needs_more() -> None:
@@ -308,10 +313,15 @@ def test_a_floor_that_cannot_change_a_verdict_is_not_measured_and_says_so(
         assert checks and all(c["floor_measured"] is False for c in checks)
     drawn = [f for f in report["minimal_failures"] if not f["test"].startswith("test_named")]
     assert drawn
+    measured = 0
     for failure in drawn:
         record = next(r for r in report["cases"] if r["case"] == failure["case"])
+        if record["error"]:  # raised in backward (a mixture of experts routed otherwise)
+            continue
         assert record.get("floor_measured", True), failure["description"]
         assert "(noise floor 0)" in record["first_failure"]
+        measured += 1
+    assert measured
 
 
 def test_a_leaking_run_searches_op_by_op_only_its_drawn_minimal_failure(

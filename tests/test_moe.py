@@ -142,3 +142,15 @@ def test_the_engines_refuse_experts_with_the_fix() -> None:
     said = case_refusal(_case(1), 2)
     assert said.startswith("moe_top_k=1: ") and said.endswith("give the case moe_top_k=0")
     assert case_refusal(_case(0), 2) == ""
+
+
+def test_experts_take_in_place_ops_hooks_and_outside_gates() -> None:
+    """Every knob of the dense MLP beside the experts (the shared expert takes the LoRA)."""
+    model = replace(_SMALL, moe_top_k=2, inplace_ops=True, value_hooks=True,
+                    outside_params=True, running_stats=True, resid_dropout=0.1,
+                    activation="relu")
+    for granularity in ("layer", "mlp"):
+        case = Case(model=model, batch=BatchConfig(2, 8),
+                    granularity=parse_granularity(granularity))
+        verdict = verify("torch", case)
+        assert verdict.passed and verdict.error is None, verdict.first_failure

@@ -23,7 +23,7 @@ from gradequiv.harness.cli import main
 TESTS = Path(__file__).resolve().parent
 GRADEQUIV = Path(sys.executable).with_name("gradequiv")
 ONE = ["--case", "1L-layer-dropout"]
-#: enough examples that the implementations below get their 40th call mid-run
+#: enough examples that the implementations below get their 20th call mid-run
 MANY = ["--examples", "6"]
 
 

@@ -129,6 +129,9 @@ class Faults:
     #                                                  backward pass: a second returns None
     trainable_params_cached: bool = False  # a segment's trainable parameters read at its
     #                                        first call: those unfrozen later get no gradient
+    trainable_cached_per_process: bool = False  # whether segments have trainable parameters
+    #                                             decided once per process, by the first call:
+    #                                             a frozen first layer freezes every layer
     frozen_segment_no_grad: bool = False  # a segment with no trainable parameter run under
     #                                       no_grad: no gradient reaches its input
     none_outputs_dropped: bool = False  # outputs repacked from their values that are not
@@ -372,6 +375,12 @@ MUTANTS: tuple[Mutant, ...] = (
                                        "call: parameters unfrozen later (a layer frozen for "
                                        "the first steps, then trained) get no gradient",
             "https://github.com/modelscope/ms-swift/pull/10142"),
+    _mutant("trainable_cached_per_process", "whether a segment has trainable parameters cached "
+                                            "once for the process by its first call, shared "
+                                            "by every layer: a process whose first call is a "
+                                            "frozen layer runs every later layer under "
+                                            "no_grad",
+            "https://github.com/modelscope/ms-swift/pull/10142"),
     _mutant("frozen_segment_no_grad", "a segment whose parameters are all frozen run under "
                                       "no_grad, as having nothing to train: the gradient to "
                                       "its input, and so to every layer before it, is lost",
@@ -420,6 +429,9 @@ _STACK: weakref.WeakKeyDictionary[Any, list[_State]] = weakref.WeakKeyDictionary
 _POOL: weakref.WeakKeyDictionary[Any, list[list[Tensor] | None]] = weakref.WeakKeyDictionary()
 _AWAITING: weakref.WeakKeyDictionary[Any, weakref.WeakSet[Any]] = weakref.WeakKeyDictionary()
 _TRAINABLE: weakref.WeakKeyDictionary[Any, list[nn.Parameter]] = weakref.WeakKeyDictionary()
+#: whether segments have trainable parameters, as the process's first call found
+#: (trainable-cached-per-process)
+_PROCESS_TRAINABLE: list[bool] = []
 
 #: Host buffers per segment (host-pool-of-three).
 _POOL_SIZE = 3
@@ -440,6 +452,12 @@ def checkpoint_with_faults(
         kwargs = {k: v.detach() if isinstance(v, Tensor) else v for k, v in kwargs.items()}
     module = function if isinstance(function, nn.Module) else None
     params = [p for p in module.parameters() if p.requires_grad] if module is not None else []
+    if faults.trainable_cached_per_process and module is not None:
+        if not _PROCESS_TRAINABLE:
+            _PROCESS_TRAINABLE.append(bool(params))
+        if not _PROCESS_TRAINABLE[0]:
+            with torch.no_grad():
+                return function(*args, **kwargs)
     if faults.frozen_segment_no_grad and module is not None and not params:
         with torch.no_grad():
             return function(*args, **kwargs)

@@ -39,7 +39,7 @@ __all__ = ["CAUSES", "MEMORY_FINDINGS", "Diagnosis", "diagnose", "distinct_fault
 CAUSES = ("raised", "output-structure", "refuses-autograd-grad", "refuses-pattern",
           "in-flight-state",
           "second-pass", "autocast-from-backward", "trainable-misread", "autocast-cast-cache",
-          "process",
+          "process", "process-state",
           "global-state",
           "rng-not-restored",
           "autocast-lost", "kernel-changed", "dropout-skipped", "saved-output-changed",
@@ -79,6 +79,14 @@ def diagnose(failure: dict[str, Any], record: dict[str, Any] | None) -> Diagnosi
     cause, sentence = _cause(failure, record, failing)
     sentence = _named_generator(failure, cause) or sentence
     cause, sentence = _model_state(failure, record, cause) or (cause, sentence)
+    if failure.get("fresh_process_only"):  # whatever it did, it did so on a first case only
+        cause, sentence = "process-state", (
+            f"the implementation keeps state across cases at process level, set by its first "
+            f"call (a module-level cache or flag): this case fails as the first case of a "
+            f"fresh process, as a training process meets it on its first step, and passes "
+            f"after other cases ran in one process; work such state out per call (or key it "
+            f"by the module and what it depends on), not once per process. As the first "
+            f"case: {sentence}")
     rerouted = (failure.get("first_diverging_op") or {}).get("rerouted")
     if rerouted:  # what the fault did to a routed model, before why
         sentence = f"{rerouted}, as {sentence}"
