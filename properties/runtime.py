@@ -99,6 +99,7 @@ class VerdictCache:
         where the property reads no later one (``PROBES``). Probes are kept apart, so that
         no test is handed one for a whole verdict."""
         from gradequiv.harness import verify
+        from gradequiv.harness.engine.fresh import portable
 
         key = (implementation_key(impl), case.to_json(), str(device))
         if key in self._verdicts:
@@ -112,7 +113,7 @@ class VerdictCache:
                    "watch_memory": kind is None,
                    "always_floor": RUN.options.deterministic and kind is None,
                    "first_step_only": kind == "first step"}
-        if self.fresh is not None and case.name and kind is None:
+        if self.fresh is not None and case.name and kind is None and portable(impl, case):
             verdict = self._fresh(impl, case, device, options, key)
         else:
             verdict = verify(impl, case, device=device, **options)
@@ -205,16 +206,15 @@ class SuiteState:
         process (``engine/fresh.py``), where another process can build it from its SPEC."""
         if self.cache.fresh is not None or self.options.impl is None:
             return
-        from gradequiv.harness.engine.fresh import FreshProcesses, resolvable
+        from gradequiv.harness.engine.fresh import resolvable, shared
 
         if not self.from_fixture(impl) and resolvable(impl):
-            self.cache.fresh = FreshProcesses()
+            self.cache.fresh = shared()
 
     def close(self) -> None:
-        """End the run's helper processes."""
-        if self.cache.fresh is not None:
-            self.cache.fresh.close()
-            self.cache.fresh = None
+        """The run uses its fresh processes no more (their server outlives it, for the next
+        suite of this process, until the process exits)."""
+        self.cache.fresh = None
 
     def may_shrink(self, test: str) -> bool:
         """Whether ``test`` may try one more new case while shrinking (counted if so)."""

@@ -72,6 +72,8 @@ EXPECTED = {
     "saved-inputs-freed-after-backward": ("2L-layer-two-losses-dropout", "second-pass"),
     "trainable-params-cached": ("2L-layer-changing-trainable-dropout", "trainable-misread"),
     "frozen-segment-no-grad": ("3L-layer-frozen-layer-dropout", "trainable-misread"),
+    # as the first case of a fresh process (below); a suite run says process-state first
+    "trainable-cached-per-process": ("3L-layer-frozen-layer-dropout", "input-grads-dropped"),
     "none-outputs-dropped": ("2L-layer-dict-outputs-aux-dropout", "output-structure"),
 }
 
@@ -98,5 +100,9 @@ def test_each_mutant_gets_its_cause(name: str) -> None:
     case_name, cause = EXPECTED[name]
     case = CASES[case_name] if case_name in CASES else find_case(case_name)
     mutant = next(m for m in MUTANTS if m.name == name)
+    if name == "trainable-cached-per-process":  # this process as a fresh one sees it
+        from gradequiv.harness.implementations import faults
+
+        faults._PROCESS_TRAINABLE.clear()
     found, sentence, _ = diagnosed(Implementation(name, mutant.impl), case)
     assert found == cause, sentence

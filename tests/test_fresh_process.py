@@ -57,3 +57,17 @@ def test_the_suite_names_a_failure_only_a_fresh_process_meets(
     assert failure["diagnosis"]["sentence"].startswith(
         "the implementation keeps state across cases at process level, set by its first call")
     assert "flaky" not in failure["diagnosis"]["sentence"] and not failure["flaky"]
+
+
+def test_an_object_only_this_process_has_stays_here() -> None:
+    from dataclasses import replace
+
+    from gradequiv.harness.engine.fresh import portable
+    from gradequiv.models import ExternalConfig
+
+    case = find_case(FROZEN)
+    assert portable(resolve("torch"), case)
+    here = replace(case, model=ExternalConfig("gradequiv.harness.api:given.model_1"))
+    assert not portable(resolve("torch"), here)
+    assert not resolvable(Implementation("gradequiv.harness.api:given.impl_1",
+                                         lambda f, *a, **k: f(*a, **k)))

@@ -13,6 +13,7 @@ verdict back. A fork costs tens of milliseconds, not a Python start and a torch 
 
 from __future__ import annotations
 
+import atexit
 import multiprocessing
 import os
 from concurrent.futures import ProcessPoolExecutor
@@ -22,10 +23,14 @@ from typing import Any
 from gradequiv.harness.engine.case import Case
 from gradequiv.harness.implementations.adapters import Implementation
 
-__all__ = ["FreshProcessEnded", "FreshProcesses", "resolvable"]
+__all__ = ["FreshProcessEnded", "FreshProcesses", "portable", "resolvable", "shared"]
 
 #: What the fork server imports once for every child: torch and the engine, no implementation.
 _PRELOAD = ["torch", "gradequiv.harness.engine.verify"]
+
+
+#: Where the Python API keeps objects handed to it that no other process can import.
+_THIS_PROCESS_ONLY = "gradequiv.harness.api:given."
 
 
 def resolvable(impl: Implementation) -> bool:
@@ -34,7 +39,15 @@ def resolvable(impl: Implementation) -> bool:
     from gradequiv.harness.implementations.resolve import BUILTINS
 
     spec = impl.spec
-    return isinstance(spec, str) and (spec in BUILTINS or ":" in spec)
+    return isinstance(spec, str) and not spec.startswith(_THIS_PROCESS_ONLY) and (
+        spec in BUILTINS or ":" in spec)
+
+
+def portable(impl: Implementation, case: Case) -> bool:
+    """Whether a fresh process can run ``case`` through ``impl``: both built from names it
+    can import (a user's model handed to the Python API as an object has none)."""
+    factory = getattr(case.model, "factory", "")
+    return resolvable(impl) and not str(factory).startswith(_THIS_PROCESS_ONLY)
 
 
 class FreshProcessEnded(Exception):
@@ -90,6 +103,20 @@ class FreshProcesses:
             stop = getattr(helper, "_stop", None)  # private, in every Python this supports
             if stop is not None:
                 stop()
+
+
+_SHARED: FreshProcesses | None = None
+
+
+def shared() -> FreshProcesses:
+    """The process's fresh processes: one fork server for every suite this process runs
+    (``gradequiv mutants`` runs dozens; each server start imports torch), stopped when
+    the process exits."""
+    global _SHARED
+    if _SHARED is None:
+        _SHARED = FreshProcesses()
+        atexit.register(_SHARED.close)
+    return _SHARED
 
 
 def _run_fresh(what: str, spec: tuple[str, str | None, dict[str, Any]], case_json: str,
