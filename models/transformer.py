@@ -385,11 +385,13 @@ class MoE(nn.Module):
         weights, chosen = probs.topk(self.top_k, dim=-1)  # (N, k)
         weights = weights / weights.sum(dim=-1, keepdim=True)
         kept = _within_capacity(chosen)  # (N, k)
+        routed_to = chosen.masked_fill(~kept, -1)  # a dropped choice goes to no expert
+        scale = weights.to(tokens.dtype)
         out = self.shared_expert(tokens)
         for e, expert in enumerate(self.experts):
-            rows, slot = torch.nonzero((chosen == e) & kept, as_tuple=True)
+            rows, slot = torch.nonzero(routed_to == e, as_tuple=True)
             if rows.numel():
-                given = expert(tokens[rows]) * weights[rows, slot, None].to(tokens.dtype)
+                given = expert(tokens[rows]) * scale[rows, slot, None]
                 out = out.index_add(0, rows, given.to(out.dtype))
         out = out.reshape(shape)
         if self.outside_gate is not None:

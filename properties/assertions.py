@@ -38,6 +38,7 @@ def assert_property(name: str, impl: Implementation, case: Case, node: pytest.It
     __tracebackhide__ = True
     run = runtime.RUN
     run.used = impl
+    run.verify_named_fresh(impl)  # its fork server starts now, beside the drawn cases
     # one place for every route, a fixture's too
     declined = impl.declines(case.grad_mode, case.features())
     if declined:

@@ -204,12 +204,14 @@ class SuiteState:
     def verify_named_fresh(self, impl: Implementation) -> None:
         """From now on, named cases of ``impl`` are verified as the first case of a fresh
         process (``engine/fresh.py``), where another process can build it from its SPEC."""
-        if self.cache.fresh is not None or self.options.impl is None:
+        if self.cache.fresh is not None or self.options.impl is None \
+                or self.options.case is not None:  # one case replayed: no named case runs
             return
         from gradequiv.harness.engine.fresh import resolvable, shared
 
         if not self.from_fixture(impl) and resolvable(impl):
             self.cache.fresh = shared()
+            self.cache.fresh.warm()
 
     def close(self) -> None:
         """The run uses its fresh processes no more (their server outlives it, for the next

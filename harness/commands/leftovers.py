@@ -106,8 +106,11 @@ def left_running() -> Leftovers:
         if where is not None and _owner(where) not in NOT_THE_IMPLEMENTATION:
             threads.append((thread.name, where))
     processes = []
+    from gradequiv.harness.engine.fresh import helper_pids
+
+    ours = helper_pids()  # the fork server of the named cases' fresh processes
     for pid in _children():
-        if pid in seen.processes:
+        if pid in seen.processes or pid in ours:
             continue
         command = _command_line(pid)
         starter = next((s for argv, s in reversed(seen.process_starters)

@@ -16,17 +16,20 @@ from __future__ import annotations
 import atexit
 import multiprocessing
 import os
-from concurrent.futures import ProcessPoolExecutor
-from concurrent.futures.process import BrokenProcessPool
+import sys
+import traceback
+from dataclasses import dataclass
 from typing import Any
 
 from gradequiv.harness.engine.case import Case
 from gradequiv.harness.implementations.adapters import Implementation
 
-__all__ = ["FreshProcessEnded", "FreshProcesses", "portable", "resolvable", "shared"]
+__all__ = ["FreshProcessEnded", "FreshProcesses", "helper_pids", "portable", "resolvable",
+           "shared"]
 
-#: What the fork server imports once for every child: torch and the engine, no implementation.
-_PRELOAD = ["torch", "gradequiv.harness.engine.verify"]
+#: What the fork server imports once for every child: torch and the engine, warmed up by
+#: one case through torch's own checkpoint, and no implementation of the user's.
+_PRELOAD = ["torch", "gradequiv.harness.engine.fresh_server"]
 
 
 #: Where the Python API keeps objects handed to it that no other process can import.
@@ -55,10 +58,24 @@ class FreshProcessEnded(Exception):
 
 
 class FreshProcesses:
-    """A fork server whose every task runs in a process of its own, one at a time."""
+    """A fork server whose every task runs in a child process of its own, one at a time.
+
+    The child hands its result back through a pipe and ends at once (``os._exit``): a thread
+    the implementation left running (a forgotten prefetcher) must not keep it alive."""
 
     def __init__(self) -> None:
-        self._pool: ProcessPoolExecutor | None = None
+        self.started = False  # whether its fork server was ever asked for
+
+    def warm(self) -> None:
+        """Start the fork server now, without waiting for it: it imports torch and runs its
+        warm-up case on another core while the suite's drawn cases run here."""
+        if self.started:
+            return
+        multiprocessing.get_context("forkserver").set_forkserver_preload(_PRELOAD)
+        from multiprocessing import forkserver
+
+        forkserver.ensure_running()
+        self.started = True
 
     def verify(self, impl: Implementation, case: Case, device: Any, **options: Any) -> Any:
         """``verify(impl, case, device, **options)`` in a process that ran no case before:
@@ -73,36 +90,51 @@ class FreshProcesses:
               options: dict[str, Any]) -> Any:
         import torch
 
-        if self._pool is None:
-            context = multiprocessing.get_context("forkserver")
-            context.set_forkserver_preload(_PRELOAD)
-            self._pool = ProcessPoolExecutor(max_workers=1, mp_context=context,
-                                             max_tasks_per_child=1)
+        self.warm()
+        context = multiprocessing.get_context("forkserver")
         switches = {"threads": torch.get_num_threads(),
                     "deterministic": torch.are_deterministic_algorithms_enabled(),
-                    "path": list(__import__("sys").path), "cwd": os.getcwd()}
-        task = self._pool.submit(_run_fresh, what, (impl.spec, impl.adapter, impl.kwargs),
-                                 case.to_json(), str(device), switches, options)
+                    "path": list(sys.path), "cwd": os.getcwd()}
+        receive, send = context.Pipe(duplex=False)
+        child = context.Process(target=_child, daemon=True, args=(
+            send, what, (impl.spec, impl.adapter, impl.kwargs), case.to_json(), str(device),
+            switches, options))
+        child.start()
+        send.close()
         try:
-            return task.result()
-        except BrokenProcessPool as exc:  # the pool cannot be used again: a new one next time
-            self._pool.shutdown(wait=True)
-            self._pool = None
-            raise FreshProcessEnded(str(exc)) from None
+            result = receive.recv()
+        except EOFError:  # it ended without a word: an exit or a signal
+            child.join(5.0)
+            raise FreshProcessEnded(f"exit code {child.exitcode}") from None
+        finally:
+            receive.close()
+        child.join(5.0)
+        if child.is_alive():
+            child.kill()
+            child.join()
+        if isinstance(result, _Raised):
+            raise RuntimeError(f"in a fresh process:\n{result.text}")
+        return result
 
     def close(self) -> None:
-        """End the pool, the fork server and the resource tracker it started: a run leaves
-        no process behind (a supervisor would count them as the implementation's)."""
-        if self._pool is None:
+        """End the fork server and the resource tracker it started: a run leaves no process
+        behind (a supervisor would count them as the implementation's)."""
+        if not self.started:
             return
-        self._pool.shutdown(wait=True, cancel_futures=True)
-        self._pool = None
+        self.started = False
         from multiprocessing import forkserver, resource_tracker
 
         for helper in (forkserver._forkserver, resource_tracker._resource_tracker):
             stop = getattr(helper, "_stop", None)  # private, in every Python this supports
             if stop is not None:
                 stop()
+
+
+@dataclass
+class _Raised:
+    """What the child raised outside the case (the case's own errors are in its verdict)."""
+
+    text: str
 
 
 _SHARED: FreshProcesses | None = None
@@ -119,12 +151,37 @@ def shared() -> FreshProcesses:
     return _SHARED
 
 
+def helper_pids() -> set[int]:
+    """The fork server's and its resource tracker's process ids where this process started
+    them for fresh processes: the harness's, not the implementation's."""
+    if _SHARED is None or not _SHARED.started:
+        return set()
+    from multiprocessing import forkserver, resource_tracker
+
+    pids = (getattr(forkserver._forkserver, "_forkserver_pid", None),
+            getattr(resource_tracker._resource_tracker, "_pid", None))
+    return {pid for pid in pids if isinstance(pid, int)}
+
+
+def _child(send: Any, what: str, spec: tuple[str, str | None, dict[str, Any]],
+           case_json: str, device: str, switches: dict[str, Any],
+           options: dict[str, Any]) -> None:
+    """The child's whole life: the task, its result sent back, the end."""
+    try:
+        result: Any = _run_fresh(what, spec, case_json, device, switches, options)
+    except BaseException:  # a SystemExit in the implementation is the case's, in its verdict
+        result = _Raised(traceback.format_exc())
+    try:
+        send.send(result)
+        send.close()
+    finally:
+        os._exit(0)
+
+
 def _run_fresh(what: str, spec: tuple[str, str | None, dict[str, Any]], case_json: str,
                device: str, switches: dict[str, Any], options: dict[str, Any]) -> Any:
     """In the child: the run's switches as the parent has them, the implementation imported
     afresh, the case verified (``what``: or its first diverging op searched)."""
-    import sys
-
     import torch
 
     from gradequiv.harness.engine.global_state import pin_regime
