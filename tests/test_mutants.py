@@ -33,10 +33,13 @@ def test_the_correct_base_passes(case: Case) -> None:
 def test_every_mutant_is_caught(mutant: Mutant) -> None:
     """By a case of a grad mode it supports, as the suite draws them: the base itself is
     no bitwise match under a gradient penalty, which it does not claim."""
+    from gradequiv.harness.implementations import faults
+
     impl = Implementation(mutant.name, mutant.impl)
     for case in CASES:
         if case.grad_mode not in impl.grad_modes:
             continue
+        faults._PROCESS_TRAINABLE.clear()  # each named case as a fresh process sees it
         verdict = verify(impl, case)
         if not verdict.passed:
             return
