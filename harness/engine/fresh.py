@@ -6,9 +6,11 @@ once): in one long process, whichever case runs first sets it for every later on
 fault that a fresh training process meets on its first step can pass every case after the
 first (modelscope/ms-swift#10142: one requires_grad cache shared by every layer, set by the
 first, frozen one). Here each case runs in a child of a fork server that has imported
-torch and gradequiv's engine but no implementation and has run nothing: the child imports
-the implementation afresh, as a training script would, verifies the one case and hands its
-verdict back. A fork costs tens of milliseconds, not a Python start and a torch import.
+torch and gradequiv's engine (warmed by one case of torch's own checkpoint) but no
+implementation of the user's: the child imports the implementation afresh, as a training
+script would, verifies the one case and hands its verdict back. A fork costs tens of
+milliseconds, not a Python start and a torch import. Where the platform has no fork server
+(Windows), named cases run in the suite's process, as before.
 """
 
 from __future__ import annotations
@@ -42,8 +44,8 @@ def resolvable(impl: Implementation) -> bool:
     from gradequiv.harness.implementations.resolve import BUILTINS
 
     spec = impl.spec
-    return isinstance(spec, str) and not spec.startswith(_THIS_PROCESS_ONLY) and (
-        spec in BUILTINS or ":" in spec)
+    return "forkserver" in multiprocessing.get_all_start_methods() and isinstance(spec, str) \
+        and not spec.startswith(_THIS_PROCESS_ONLY) and (spec in BUILTINS or ":" in spec)
 
 
 def portable(impl: Implementation, case: Case) -> bool:
