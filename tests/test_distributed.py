@@ -44,13 +44,13 @@ def test_drawn_cases_pass_on_two_ranks_under_every_engine_and_reshard_mode(
     """Drawn as check draws them (dtypes, granularities, dropout, the model's knobs), each
     under DDP, FSDP2 (every reshard mode, with and without its bf16 policy), tensor and
     sequence parallelism or torch's pipeline schedules, the ranks started once for the run."""
-    assert main(["distributed", "--impl", "torch", "--examples", "10", "--seed", "5"]) == 0
+    assert main(["distributed", "--impl", "torch", "--examples", "10", "--seed", "10"]) == 0
     out = capsys.readouterr().out
     assert "10 case(s) verified on every rank" in out and out.endswith("verdict: pass\n")
     assert ", ddp: pass" in out and ", tp (DTensor: MLPs column- then row-wise): pass" in out
     assert "sequence-parallel norms): pass" in out
     assert "fsdp (reshard_after_forward=2, bf16 parameters, fp32 reduce): pass" in out
-    assert "pp (ScheduleInterleaved1F1B, 4 micro-batches, 2 stage(s) per rank): pass" in out
+    assert "pp (ScheduleLoopedBFS, 4 micro-batches, 2 stage(s) per rank): pass" in out
     assert "not checked" not in out
 
 
