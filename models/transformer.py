@@ -255,6 +255,11 @@ class RunningStats(nn.Module):
             self.running_mean.lerp_(mean.to(self.running_mean.dtype), self.momentum)
 
 
+#: The feed-forward's activation module, by the config's ``activation``.
+_ACTIVATIONS: dict[str, type[nn.Module]] = {"gelu": nn.GELU, "relu": nn.ReLU,
+                                            "rrelu": RandomSlopeReLU, "swiglu": nn.SiLU}
+
+
 class MLP(nn.Module):
     router: Router
 
@@ -264,10 +269,8 @@ class MLP(nn.Module):
         hidden = config.ffn_mult * config.n_embd
         self.swiglu = config.activation == "swiglu"
         self.fc = nn.Linear(config.n_embd, (2 if self.swiglu else 1) * hidden, bias=config.bias)
-        activations = {"gelu": nn.GELU, "relu": nn.ReLU, "rrelu": RandomSlopeReLU,
-                       "swiglu": nn.SiLU}
         self.act = (nn.ReLU(inplace=True) if config.activation == "relu" and config.inplace_ops
-                    else activations[config.activation]())
+                    else _ACTIVATIONS[config.activation]())
         self.mlp_dropout = nn.Dropout(config.mlp_dropout)
         self.proj = nn.Linear(hidden, config.n_embd, bias=config.bias)
         self.resid_dropout = nn.Dropout(config.resid_dropout, inplace=config.inplace_ops)
@@ -310,9 +313,7 @@ class Expert(nn.Module):
         hidden = config.ffn_mult * config.n_embd
         self.swiglu = config.activation == "swiglu"
         self.fc = nn.Linear(config.n_embd, (2 if self.swiglu else 1) * hidden, bias=config.bias)
-        activations = {"gelu": nn.GELU, "relu": nn.ReLU, "rrelu": RandomSlopeReLU,
-                       "swiglu": nn.SiLU}
-        self.act = activations[config.activation]()
+        self.act = _ACTIVATIONS[config.activation]()
         self.proj = nn.Linear(hidden, config.n_embd, bias=config.bias)
 
     def forward(self, h: Tensor) -> Tensor:

@@ -164,8 +164,7 @@ if OPTIONS.case is None:  # replaying one case runs the seven properties on it a
     def test_named_case(recompute_impl: Implementation, name: str, request: Any) -> None:
         """The fixed spread: every property on each named case, each verified as the first
         case of a fresh process (state an implementation keeps across cases cannot hide a
-        fault that a new training process meets)."""
-        runtime.RUN.verify_named_fresh(recompute_impl)
+        fault that a new training process meets: ``assert_property`` sets that up)."""
         case = _named(name).with_seed_offset(OPTIONS.seed)
         for prop in PROPERTIES:
             assert_property(prop, recompute_impl, case, request.node)
