@@ -212,6 +212,9 @@ def locate(impl: Implementation, failure: dict[str, Any], *, named: bool = False
     found = located[key]
     failure["localisation"] = found.describe()
     failure["first_diverging_op"] = found.divergence.to_dict() if found.divergence else None
+    beside = _beside_torch(impl, case, found.model)
+    if beside is not None:
+        failure["torch_checkpoint"] = beside
     # The experiments below (each a verify or more) only where the op names no cause.
     if divergence_cause(failure["first_diverging_op"]) is None:
         failure["needs_pattern"] = _patterns_needed(impl, case, failure["property"])
@@ -221,6 +224,52 @@ def locate(impl: Implementation, failure: dict[str, Any], *, named: bool = False
         failure["localisation"] = "; ".join([
             f"every recomputed op of step 1 matched its original, and "
             f"{NOT_IN_OPS[failure['property']]}", *found.model])
+
+
+#: The lines of a localisation that name state of the model's a re-run started from.
+_STATE_LINES = ("model state: ", "model input: ")
+
+
+def _beside_torch(impl: Implementation, case: Case,
+                  model: tuple[str, ...]) -> dict[str, str] | None:
+    """Whose a fault in the model's state is, by evidence: torch's own checkpoint run on the
+    same case. ``passes``: the checkpoint's (a faithful re-run gets this state right);
+    ``same``: torch's fails naming the same state (the model's, or needs a checkpoint that
+    knows it); ``other``: torch's fails on other state (``state``: its first line). None
+    where no state was named, the implementation is torch's own, or torch's cannot run
+    the case."""
+    from gradequiv.harness.engine.localise import localise
+    from gradequiv.harness.implementations.resolve import BUILTINS, resolve
+
+    named = [line for line in model if line.startswith(_STATE_LINES)]
+    if not named or ((impl.spec in BUILTINS or impl.spec.startswith("torch."))
+                     and not impl.kwargs):
+        return None
+    run = runtime.RUN
+    key = ("torch beside", case.to_json())
+    if key not in run.cache.located:
+        try:
+            torch_own = resolve("torch")
+            verdict = verify(torch_own, case, device=run.device())
+            run.cache.located[key] = (True, ()) if verdict.passed else (
+                False, localise(torch_own, case, run.device()).model)
+        except Exception:  # a case torch's checkpoint cannot run: no evidence
+            run.cache.located[key] = None
+    found = run.cache.located[key]
+    if found is None:
+        return None
+    passed, there = found
+    if passed:
+        return {"verdict": "passes"}
+    theirs = [line for line in there if line.startswith(_STATE_LINES)]
+    if {_state_name(line) for line in named} & {_state_name(line) for line in theirs}:
+        return {"verdict": "same"}
+    return {"verdict": "other", "state": theirs[0] if theirs else ""}
+
+
+def _state_name(line: str) -> str:
+    """The qualified name a localisation's line on the model's side begins with."""
+    return line.partition(": ")[2].partition(" (")[0]
 
 
 #: A named case's localisation where only memory figures differ (``locate``).

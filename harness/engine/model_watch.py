@@ -57,6 +57,7 @@ class ModelWatch:
         self.watched: dict[int, str] = {}  # data_ptr -> a buffer's or an input's name
         self.writers: dict[str, list[str]] = {}  # that name -> the ops that wrote it
         self.read: set[int] = set()  # data_ptrs of buffers a re-run read
+        self.rerun_wrote: set[str] = set()  # names of buffers a re-run wrote into
         self.generators: dict[str, str] = {}  # a line per op drawing from a user's generator
         self.inputs: dict[str, str] = {}  # a line per input a forward changed
         #: per forward run now running: how many leaves its arguments had, and the version
@@ -148,6 +149,10 @@ class ModelWatch:
         leaves = [t for t in op_tensors(args, kwargs) if tensor_key(t) in self.watched]
         if tracker.backward:
             self.read.update(tensor_key(t) for t in leaves)
+            if leaves:
+                self.rerun_wrote.update(self.watched[tensor_key(t)]
+                                        for t in _written(func, args, kwargs)
+                                        if tensor_key(t) in self.watched)
             return []
         generator = kwargs.get("generator")
         if isinstance(generator, torch.Generator) and not _default(generator):
@@ -202,21 +207,26 @@ class ModelWatch:
                 if kind == "default rng":  # said beside a named state, never alone
                     continue
                 before = [s[key] for s in starts if key in s]
-                if not before or any(_same(b, (kind, value)) for b in before):
-                    continue
                 changed = any(key in e and not _same(s[key], e[key])
                               for s, e in zip(starts, ends) if key in s)
-                if kind == "named rng" and key in named:  # one line per state
+                if kind == "buffer" and key in self.rerun_wrote and not changed:
+                    lines.append(f"model state: {key} (a buffer) was recorded into by "
+                                 f"the re-run of {segment} and not by {segment}'s forward")
+                    continue
+                if not before or any(_same(b, (kind, value)) for b in before):
+                    continue
+                if kind in _SAID_ONCE and key in named:  # one line per state
                     also[key].append(segment)
                     continue
                 if kind == "named rng":
                     line = _named_finding(segment, key, [b[1] for b in before], value,
                                           changed, rerun, starts)
-                    if line:
-                        named[key], also[key] = len(lines), []
                 else:
                     line = _finding(segment, key, kind, before[-1][1], value, changed,
-                                    self.writers.get(key, []), self.read)
+                                    self.writers.get(key, []), self.read,
+                                    key in self.rerun_wrote)
+                if line and kind in _SAID_ONCE:
+                    named[key], also[key] = len(lines), []
                 if line:
                     lines.append(line)
         for key, segments in also.items():
@@ -240,6 +250,12 @@ class ModelWatch:
                 lines.append(f"model random: {segment}'s forward drew from {key} (its state "
                              f"moved), and a re-run draws from where the forward left it")
                 continue
+            if kind == "process":
+                lines.append(f"model state: {key} (process-level state: {start[key][1]!r} "
+                             f"before it, {value!r} after) was changed by {segment}'s "
+                             f"forward, which a re-run starts from (the re-run itself was "
+                             f"not seen)")
+                continue
             if kind == "random":
                 lines.append(f"model random: {key} (a generator of the model's) moved during "
                              f"{segment}'s forward, and a re-run draws from where the forward "
@@ -254,6 +270,9 @@ class ModelWatch:
                          f"which a re-run starts from (the re-run itself was not seen)")
         return lines
 
+
+#: Kinds of state shared by segments, said once with the other segments named after it.
+_SAID_ONCE = ("named rng", "process")
 
 #: The most lines on the model's side a localisation says.
 _MODEL_LINES = 4
@@ -397,11 +416,18 @@ class NamedStates:
     modules those import functions or classes from: Megatron's model code imports
     ``get_cuda_rng_tracker``), and in the attributes and dicts of such objects, two levels
     deep. Found once, at the first snapshot; read again at each (a tracker's
-    ``set_states`` puts in another dict)."""
+    ``set_states`` puts in another dict).
+
+    Beside them, the process-level state the same code reads: plain values (a flag, a
+    count, a name) held by those Python modules at module level, by the classes written in
+    them (class attributes: TransformerEngine keeps its fp8 region's state so) and by the
+    plain objects they hold. A region a caller enters around the forward and no checkpoint
+    enters around the re-run shows there."""
 
     def __init__(self) -> None:
         self.roots: list[tuple[str, Any]] = []
         self.holders: list[_Holder] | None = None
+        self.flags: list[tuple[str, Any, str]] = []  # (qualified name, owner, attribute)
 
     def watch(self, module: nn.Module, prefix: str) -> None:
         """Look for states where ``module`` (a segment) and its code keep them."""
@@ -421,16 +447,22 @@ class NamedStates:
                 self.holders = _holders(self.roots)
             except Exception:  # an object that will not be read: no named states, the rest
                 self.holders = []  # of the watch goes on
+            try:
+                self.flags = _flags(_code_modules(self.roots))
+            except Exception:
+                self.flags = []
+        flags = {label: ("process", getattr(owner, name, None))
+                 for label, owner, name in self.flags}
         if not self.holders:
-            return {}
-        found: dict[str, tuple[str, Any]] = {}
+            return flags
+        found: dict[str, tuple[str, Any]] = dict(flags)
         with torch._C.DisableTorchFunction(), _disable_current_modes():
             for holder in self.holders:
                 for label, state in holder.states():
                     found[label] = ("named rng", state.get_state()
                                     if isinstance(state, torch.Generator)
                                     else state.detach().clone())
-            if found:  # the CPU's and, where in use, each CUDA device's
+            if len(found) > len(flags):  # the CPU's and, where in use, each CUDA device's
                 initialized = torch.cuda.is_initialized()  # type: ignore[no-untyped-call]
                 cuda = torch.cuda.default_generators if initialized else ()
                 found[_DEFAULT] = ("default rng", torch.cat(
@@ -449,15 +481,7 @@ def _holders(roots: list[tuple[str, Any]]) -> list[_Holder]:
     """Where generator states live, looked for from each root (a segment's module, a Python
     module its code is written in, and one step on: the modules that one imports from)."""
     seen: set[int] = set()
-    modules = list({id(root): root for _, root in roots
-                    if isinstance(root, types.ModuleType)}.values())
-    for code in list(modules):
-        for value in list(vars(code).values()):
-            origin = getattr(value, "__module__", None) \
-                if isinstance(value, type | types.FunctionType) else None
-            if isinstance(origin, str) and origin != code.__name__ and _users(origin) \
-                    and origin in sys.modules:
-                modules.append(sys.modules[origin])
+    modules = _code_modules(roots)
     holders: list[_Holder] = []
     for label, root in [*roots, *((m.__name__, m) for m in modules)]:
         if id(root) in seen:
@@ -471,6 +495,46 @@ def _holders(roots: list[tuple[str, Any]]) -> list[_Holder]:
                 for attr, inner in list(vars(value).items())[:_DICT_ENTRIES]:
                     holders += _held(f"{label}.{name}.{attr}", root, (name, attr), inner)
     return holders
+
+
+def _code_modules(roots: list[tuple[str, Any]]) -> list[types.ModuleType]:
+    """The Python modules among ``roots``, and the user modules they import functions or
+    classes from."""
+    modules = list({id(root): root for _, root in roots
+                    if isinstance(root, types.ModuleType)}.values())
+    for code in list(modules):
+        for value in list(vars(code).values()):
+            origin = getattr(value, "__module__", None) \
+                if isinstance(value, type | types.FunctionType) else None
+            if isinstance(origin, str) and origin != code.__name__ and _users(origin) \
+                    and origin in sys.modules and sys.modules[origin] not in modules:
+                modules.append(sys.modules[origin])
+    return modules
+
+
+def _flags(modules: list[types.ModuleType]) -> list[tuple[str, Any, str]]:
+    """The process-level plain values of ``modules``: (qualified name, owner, attribute)
+    for each module-level one, each class attribute of a class written there and each
+    attribute of a plain object held there."""
+    flags: list[tuple[str, Any, str]] = []
+    for code in modules:
+        for name, value in _members(code):
+            if _flag_value(value):
+                flags.append((f"{code.__name__}.{name}", code, name))
+            elif isinstance(value, type) and value.__module__ == code.__name__:
+                flags += [(f"{code.__name__}.{value.__qualname__}.{attr}", value, attr)
+                          for attr, inner in list(vars(value).items())[:_DICT_ENTRIES]
+                          if not attr.startswith("__") and _flag_value(inner)]
+            elif _plain_object(value):
+                flags += [(f"{code.__name__}.{name}.{attr}", value, attr)
+                          for attr, inner in list(vars(value).items())[:_DICT_ENTRIES]
+                          if _flag_value(inner)]
+    return flags
+
+
+def _flag_value(value: Any) -> bool:
+    """A plain value a flag or a count is kept as."""
+    return value is None or isinstance(value, bool | int | float | str)
 
 
 def _members(root: Any) -> list[tuple[str, Any]]:
@@ -507,9 +571,17 @@ def _rng_leaf(value: Any) -> bool:
 
 
 def _finding(segment: str, key: str, kind: str, before: Any, after: Any, changed: bool,
-             writers: list[str], read: set[int]) -> str:
+             writers: list[str], read: set[int], rerun_wrote: bool = False) -> str:
     """The line for state ``key`` that a re-run of ``segment`` started from changed."""
     by = f"by {segment}'s forward" if changed else f"after {segment}'s forward"
+    if kind == "process":
+        if changed:
+            return (f"model state: {key} (process-level state: {before!r} at the forward, "
+                    f"{after!r} at the re-run) was advanced by {segment}'s forward, and its "
+                    f"re-run ran under the advanced value")
+        return (f"model state: {key} (process-level state: {before!r} during {segment}'s "
+                f"forward, {after!r} at its re-run) was set around the forward and not "
+                f"around its re-run")
     if kind == "global random":
         if not changed:  # the segment does not draw from it
             return ""
@@ -524,6 +596,9 @@ def _finding(segment: str, key: str, kind: str, before: Any, after: Any, changed
         if before[0] not in read and after[0] not in read:  # a re-run that skips it (a guard)
             return ""
         ops = f", written by {', '.join(writers)}" if writers else ""
+        if changed and rerun_wrote:
+            return (f"model state: {key} (a buffer{ops}) was recorded into by {segment}'s "
+                    f"forward and again by its re-run")
         return (f"model state: {key} (a buffer{ops}) was changed {by}, and its re-run read "
                 f"the changed value")
     if kind == "tensor":

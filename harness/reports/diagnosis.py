@@ -47,7 +47,7 @@ CAUSES = ("raised", "output-structure", "refuses-autograd-grad", "refuses-patter
           "hooks-skipped", "no-input-requires-grad",
           "input-grads-dropped", "grad-mode-ignored",
           "grad-touched", "model-own-generator", "model-python-random", "model-rerun-raised",
-          "model-state-changed",
+          "model-state-changed", "state-not-carried",
           "forward-changed", "buffers-updated-twice", "buffers-missed", "no-recompute",
           "recompute-count",
           "no-memory-saved", "leak", "recomputed-held", "rng-stream-moved", "later-step",
@@ -79,6 +79,7 @@ def diagnose(failure: dict[str, Any], record: dict[str, Any] | None) -> Diagnosi
     cause, sentence = _cause(failure, record, failing)
     sentence = _named_generator(failure, cause) or sentence
     cause, sentence = _model_state(failure, record, cause) or (cause, sentence)
+    sentence += _whose_counts(failure, cause)
     if failure.get("fresh_process_only"):  # whatever it did, it did so on a first case only
         cause, sentence = "process-state", (
             f"the implementation keeps state across cases at process level, set by its first "
@@ -454,7 +455,8 @@ def _model_state(failure: dict[str, Any], record: dict[str, Any] | None,
     torch's own, a cache that grew or a tensor kept is no explanation by itself (a faithful
     recompute finds the same values in it), so the implementation's cause stands there."""
     torch_own = _torch_own(failure)
-    if cause not in _REFINED and not (torch_own and cause in _REFINED_UNDER_TORCH):
+    beside = bool(failure.get("torch_checkpoint")) and cause not in _COUNTED
+    if cause not in _REFINED and not ((torch_own or beside) and cause in _REFINED_UNDER_TORCH):
         return None
     lines = [line for line in _model_lines(failure, "model input: ")
              + _model_lines(failure, "model state: ") if torch_own or _telling(line)]
@@ -467,9 +469,74 @@ def _model_state(failure: dict[str, Any], record: dict[str, Any] | None,
         if "backward" not in ((record or {}).get("error_at") or ""):
             return None
         raised = exception_line((record or {}).get("error", ""))
-        return "model-rerun-raised", _model_sentence(failure, "model-rerun-raised", lines[0],
-                                                      raised)
-    return "model-state-changed", _model_sentence(failure, "model-state-changed", lines[0])
+        return _checkpoint_s(failure, lines[0], raised) or (
+            "model-rerun-raised", _model_sentence(failure, "model-rerun-raised", lines[0],
+                                                  raised))
+    return _checkpoint_s(failure, lines[0]) or (
+        "model-state-changed", _model_sentence(failure, "model-state-changed", lines[0]))
+
+
+#: What a checkpoint must do about state its re-run met otherwise than its forward, by what
+#: happened to it (words of the localisation's line).
+_CARRY = (
+    ("was set around the forward and not around its re-run",
+     "enter it around the re-run as the forward found it, in the checkpoint's recompute "
+     "context (TransformerEngine's and Megatron's checkpoints re-enter fp8_autocast so)"),
+    ("was recorded into by",
+     "mark the re-run as one, so that the model records nothing in it (TransformerEngine's "
+     "checkpoint sets its recompute phase so)"),
+    ("was changed after",
+     "keep copies of the state the forward ran with, taken when it ran (a reference sees "
+     "every later change), and give them to the re-run"),
+)
+#: The same, where the model must: torch's own checkpoint gets it wrong too.
+_KEEP = (
+    ("was set around the forward and not around its re-run",
+     "set it inside the checkpointed module, or checkpoint with one that re-enters it "
+     "around the re-run (torch's checkpoint restores only the RNG and autocast states)"),
+    ("was recorded into by",
+     "record in a forward only, never in a re-run: `torch._C._current_graph_task_id() == -1` "
+     "holds in a forward and not in a re-run inside backward, whichever checkpoint runs it "
+     "(a guard on grad mode counts in every re-run of a reentrant checkpoint, one per "
+     "backward pass, and in both runs under a non-reentrant one), or make the update "
+     "outside the checkpointed module"),
+)
+
+
+def _checkpoint_s(failure: dict[str, Any], what: str,
+                  raised: str = "") -> tuple[str, str] | None:
+    """The sentence for state the re-run met otherwise than its forward where torch's own
+    checkpoint, run beside, shows the fault is the checkpoint's: it passes the case, or
+    fails it on other state."""
+    beside = failure.get("torch_checkpoint") or {}
+    if _torch_own(failure) or beside.get("verdict") not in ("passes", "other"):
+        return None
+    because = f"its re-run raised ({raised}), because " if raised else ""
+    evidence = ("torch's own checkpoint passes this case (run beside it), so the fault is "
+                "the checkpoint's" if beside["verdict"] == "passes" else
+                f"torch's own checkpoint fails this case too, but on other state "
+                f"({_state_name(beside.get('state', ''))}), so this state is the "
+                f"checkpoint's doing")
+    fix = next((fix for words, fix in _CARRY if words in what), _CARRY[-1][1])
+    return "state-not-carried", (f"the checkpoint does not give the re-run the state its "
+                                 f"forward ran with: {because}{what}; {evidence}; {fix}")
+
+
+#: Causes that already name the buffers and which way their counts went: told whose they
+#: are (``_whose_counts``), not told again.
+_COUNTED = ("buffers-updated-twice", "buffers-missed")
+
+
+def _whose_counts(failure: dict[str, Any], cause: str) -> str:
+    """What torch's own checkpoint, run beside, says of a buffer cause: whose it is."""
+    verdict = (failure.get("torch_checkpoint") or {}).get("verdict")
+    if cause not in _COUNTED or verdict is None:
+        return ""
+    if verdict == "passes":
+        return "; torch's own checkpoint passes this case (run beside it), so the fault is " \
+               "the checkpoint's"
+    return "; torch's own checkpoint fails this case too (run beside it): the model's " \
+           "buffers need a checkpoint that puts them back after its re-run"
 
 
 def _telling(line: str) -> bool:
@@ -482,11 +549,21 @@ def _telling(line: str) -> bool:
     return lengths is None or int(lengths[2]) < int(lengths[1])
 
 
+def _state_name(line: str) -> str:
+    """The qualified name a localisation's line on the model's side begins with."""
+    return line.partition(": ")[2].partition(" (")[0] or "state the search did not name"
+
+
 def _model_sentence(failure: dict[str, Any], cause: str, what: str, raised: str = "") -> str:
     because = f"its re-run raised ({raised}), because " if raised else ""
+    same = (failure.get("torch_checkpoint") or {}).get("verdict") == "same"
     headline = ("your model is not safe to recompute here" if _torch_own(failure) else
+                "the model is not safe to recompute here: torch's own checkpoint fails this "
+                "case the same way (run beside it), so the state is the model's to keep"
+                if same else
                 "the model is not safe to recompute here, whichever checkpoint runs it")
-    return f"{headline}: {because}{what}; {_FIXES[cause]}"
+    fix = next((fix for words, fix in _KEEP if words in what), _FIXES[cause])
+    return f"{headline}: {because}{what}; {fix}"
 
 
 def _torch_own(failure: dict[str, Any]) -> bool:
