@@ -28,6 +28,11 @@ FAILURE_KEY = "gradequiv_failure"
 #: machine's speed (``--shrink-budget`` adds a limit in seconds).
 SHRINK_TRIES = 25
 
+#: Whether named cases run in fresh processes ahead of their tests, beside this process's
+#: work: where a second core is free for them (this process runs its cases on one thread
+#: unless told otherwise), not on one core.
+AHEAD = (os.cpu_count() or 1) > 1
+
 #: What a case tried while shrinking a property's failure needs: no memory watched, and the
 #: first step alone where the property reads no later one; recompute needs the whole case.
 PROBES = {"outputs": "first step", "gradients": "first step", "buffers": "first step",
@@ -79,6 +84,8 @@ class VerdictCache:
         self.fresh: Any = None
         #: (implementation, case) keys that fail in a fresh process and pass in this one
         self.fresh_only: set[tuple[str, str, str]] = set()
+        #: named cases verified in fresh processes ahead of their tests (``fresh.Ahead``)
+        self._ahead: Any = None
 
     def has(self, impl: Implementation, case: Case, device: Any) -> bool:
         key = (implementation_key(impl), case.to_json(), str(device))
@@ -134,7 +141,9 @@ class VerdictCache:
         from gradequiv.harness.engine.fresh import FreshProcessEnded
 
         try:
-            verdict: Verdict = self.fresh.verify(impl, case, device, **options)
+            taken = self._ahead.take(key) if self._ahead is not None else None
+            verdict: Verdict = taken if taken is not None else \
+                self.fresh.verify(impl, case, device, **options)
         except FreshProcessEnded:
             # here, where a supervisor sees an end of the process and says so
             here = verify(impl, case, device=device, **options)
@@ -148,7 +157,30 @@ class VerdictCache:
             self.fresh_only.add(key)
         return verdict
 
+    def ahead(self, impl: Implementation, cases: list[Case], device: Any) -> None:
+        """Verify ``cases`` (named ones) in fresh processes ahead of their tests, one after
+        another on a second core while this process runs the drawn cases (``AHEAD``); each
+        child still runs its case as the first of its process."""
+        from gradequiv.harness.engine.fresh import Ahead, portable
+
+        if not AHEAD or self.fresh is None:
+            return
+        self.drop_ahead()
+        self._ahead = Ahead(self.fresh, [
+            ((implementation_key(impl), case.to_json(), str(device)), impl, case, device,
+             {"tolerance": RUN.tolerance(case), "floor_when_needed": True,
+              "watch_memory": True, "always_floor": RUN.options.deterministic,
+              "first_step_only": False})
+            for case in cases if portable(impl, case)])
+
+    def drop_ahead(self) -> None:
+        """End the work started ahead: its verdicts are wanted no more."""
+        if self._ahead is not None:
+            self._ahead.stop()
+            self._ahead = None
+
     def clear(self) -> None:
+        self.drop_ahead()
         self._verdicts.clear()
         self._probes.clear()
         self.located.clear()
@@ -185,6 +217,9 @@ class SuiteState:
         self.failed_for_certain = False
         #: the pytest command line of a run started by pytest itself (None: by ``check``)
         self.pytest_args: list[str] | None = None
+        #: the named cases this run's suite holds, in order (set by the suite module):
+        #: verified in fresh processes ahead of their tests
+        self.named: list[Case] = []
         #: torch's regime-defining switches the run set back to its defaults, and what each
         #: was (``global_state.pin_regime``): said in the report, put back after the run
         self.pinned: dict[str, Any] = {}
@@ -212,10 +247,14 @@ class SuiteState:
         if not self.from_fixture(impl) and resolvable(impl):
             self.cache.fresh = shared()
             self.cache.fresh.warm()
+            self.cache.ahead(impl, [case for case in self.named if not self.declines(case)
+                                    and not impl.declines(case.grad_mode, case.features())],
+                             self.device())
 
     def close(self) -> None:
         """The run uses its fresh processes no more (their server outlives it, for the next
         suite of this process, until the process exits)."""
+        self.cache.drop_ahead()
         self.cache.fresh = None
 
     def may_shrink(self, test: str) -> bool:

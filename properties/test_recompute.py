@@ -158,6 +158,8 @@ def _named(name: str) -> Case:
 
 
 if OPTIONS.case is None:  # replaying one case runs the seven properties on it alone
+    runtime.RUN.named = [c.with_seed_offset(OPTIONS.seed) for i, c in enumerate(_spread())
+                         if OPTIONS.in_shard(i)]
 
     @pytest.mark.parametrize(
         "name", [c.name for i, c in enumerate(_spread()) if OPTIONS.in_shard(i)])

@@ -19,15 +19,17 @@ import atexit
 import multiprocessing
 import os
 import sys
+import threading
 import traceback
+from collections.abc import Hashable
 from dataclasses import dataclass
 from typing import Any
 
 from gradequiv.harness.engine.case import Case
 from gradequiv.harness.implementations.adapters import Implementation
 
-__all__ = ["FreshProcessEnded", "FreshProcesses", "helper_pids", "portable", "resolvable",
-           "shared"]
+__all__ = ["Ahead", "FreshProcessEnded", "FreshProcesses", "Pending", "helper_pids",
+           "portable", "resolvable", "shared"]
 
 #: What the fork server imports once for every child: torch and the engine, warmed up by
 #: one case through torch's own checkpoint, and no implementation of the user's.
@@ -59,11 +61,22 @@ class FreshProcessEnded(Exception):
     """The fresh process ended before it handed its result back (an exit, a signal)."""
 
 
+@dataclass
+class Pending:
+    """A task started in a child of its own, its result not yet read
+    (:meth:`FreshProcesses.result`)."""
+
+    child: Any  # multiprocessing's Process
+    receive: Any  # the pipe's end the result comes through
+
+
 class FreshProcesses:
-    """A fork server whose every task runs in a child process of its own, one at a time.
+    """A fork server whose every task runs in a child process of its own.
 
     The child hands its result back through a pipe and ends at once (``os._exit``): a thread
-    the implementation left running (a forgotten prefetcher) must not keep it alive."""
+    the implementation left running (a forgotten prefetcher) must not keep it alive. Tasks
+    may be started ahead (:meth:`start`) and their results read later (:meth:`result`):
+    each child is still the first case of its process, whatever runs beside it."""
 
     def __init__(self) -> None:
         self.started = False  # whether its fork server was ever asked for
@@ -82,14 +95,18 @@ class FreshProcesses:
     def verify(self, impl: Implementation, case: Case, device: Any, **options: Any) -> Any:
         """``verify(impl, case, device, **options)`` in a process that ran no case before:
         the verdict it returned."""
-        return self._call("verify", impl, case, device, options)
+        return self.result(self.start(impl, case, device, **options))
 
     def localise(self, impl: Implementation, case: Case, device: Any) -> Any:
         """``localise(impl, case, device)`` in a process that ran no case before."""
-        return self._call("localise", impl, case, device, {})
+        return self.result(self._start("localise", impl, case, device, {}))
 
-    def _call(self, what: str, impl: Implementation, case: Case, device: Any,
-              options: dict[str, Any]) -> Any:
+    def start(self, impl: Implementation, case: Case, device: Any, **options: Any) -> Pending:
+        """:meth:`verify`, started now in its own child; its verdict read by :meth:`result`."""
+        return self._start("verify", impl, case, device, options)
+
+    def _start(self, what: str, impl: Implementation, case: Case, device: Any,
+               options: dict[str, Any]) -> Pending:
         import torch
 
         self.warm()
@@ -103,6 +120,12 @@ class FreshProcesses:
             switches, options))
         child.start()
         send.close()
+        return Pending(child, receive)
+
+    def result(self, pending: Pending) -> Any:
+        """What the task of ``pending`` returned, once its child sent it (raises
+        :class:`FreshProcessEnded` where the child ended without a word)."""
+        child, receive = pending.child, pending.receive
         try:
             result = receive.recv()
         except EOFError:  # it ended without a word: an exit or a signal
@@ -117,6 +140,14 @@ class FreshProcesses:
         if isinstance(result, _Raised):
             raise RuntimeError(f"in a fresh process:\n{result.text}")
         return result
+
+    @staticmethod
+    def cancel(pending: Pending) -> None:
+        """End the child of a task whose result is wanted no more."""
+        pending.receive.close()
+        if pending.child.is_alive():
+            pending.child.kill()
+        pending.child.join()
 
     def close(self) -> None:
         """End the fork server and the resource tracker it started: a run leaves no process
@@ -137,6 +168,75 @@ class _Raised:
     """What the child raised outside the case (the case's own errors are in its verdict)."""
 
     text: str
+
+
+class Ahead:
+    """Cases verified in fresh processes ahead of being asked for, one child at a time, on
+    a thread of this process that only waits: the suite's own cases go on meanwhile, and
+    each child still runs its case as the first of its process.
+
+    ``tasks``: (key, implementation, case, device, verify's options), in the order they
+    will be asked for. :meth:`take` hands a key's verdict over (waiting for it where its
+    child still runs); :meth:`stop` ends the child running and starts no other."""
+
+    def __init__(self, processes: FreshProcesses,
+                 tasks: list[tuple[Hashable, Implementation, Case, Any, dict[str, Any]]]) -> None:
+        self.processes = processes
+        self.queued = {task[0] for task in tasks}
+        self.done: dict[Hashable, tuple[bool, Any]] = {}  # key -> (ended, verdict or why)
+        self.changed = threading.Condition()
+        self.running: Pending | None = None
+        self.stopped = False
+        self.thread = threading.Thread(target=self._work, args=(tasks,), daemon=True,
+                                       name="gradequiv-fresh-ahead")
+        self.thread.start()
+
+    def _work(self, tasks: list[tuple[Hashable, Implementation, Case, Any,
+                                      dict[str, Any]]]) -> None:
+        for key, impl, case, device, options in tasks:
+            with self.changed:
+                if self.stopped:
+                    return
+            try:
+                pending = self.processes.start(impl, case, device, **options)
+                with self.changed:
+                    self.running = pending
+                    if self.stopped:
+                        return
+                found: tuple[bool, Any] = (False, self.processes.result(pending))
+            except FreshProcessEnded as ended:
+                found = (True, ended)
+            except Exception as error:  # told where the verdict is asked for
+                found = (True, error)
+            with self.changed:
+                self.running = None
+                self.done[key] = found
+                self.changed.notify_all()
+
+    def take(self, key: Hashable) -> Any:
+        """The verdict of ``key``'s case (raising what its child's end raised); None where
+        it was not queued, or the work was stopped before it."""
+        with self.changed:
+            if key not in self.queued:
+                return None
+            self.queued.discard(key)
+            while key not in self.done and self.thread.is_alive():
+                self.changed.wait(0.5)
+            if key not in self.done:
+                return None
+            ended, found = self.done.pop(key)
+        if ended:
+            raise found
+        return found
+
+    def stop(self) -> None:
+        """End the child running and start no other; wait for the thread."""
+        with self.changed:
+            self.stopped = True
+            running = self.running
+        if running is not None:
+            self.processes.cancel(running)
+        self.thread.join(10.0)
 
 
 _SHARED: FreshProcesses | None = None
