@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from gradequiv.harness import find_case, resolve, verify
-from gradequiv.harness.engine.fresh import FreshProcesses, resolvable
+from gradequiv.harness.engine.fresh import Ahead, FreshProcesses, resolvable
 from gradequiv.harness.implementations.adapters import Implementation
 from gradequiv.properties.assertions import FRESH_ONLY
 
@@ -36,6 +36,28 @@ def test_a_process_wide_cache_passes_after_other_cases_and_fails_in_a_fresh_proc
     from multiprocessing import forkserver
 
     assert forkserver._forkserver._forkserver_pid is None  # no server left running
+
+
+def test_cases_verified_ahead_are_handed_over_as_fresh_verdicts_and_stopped_cleanly() -> None:
+    """The suite's named cases run in fresh children on a thread while its drawn cases run:
+    each verdict is the fresh one (the cached mutant fails there), asked for in any order;
+    a key never queued is not taken; stopping ends the child running."""
+    impl = resolve(MUTANT)
+    verify(impl, find_case("1L-layer-dropout"))  # this process's cache, set by a trained layer
+    fresh = FreshProcesses()
+    names = [FROZEN, "1L-layer-dropout", "2L-layer-nodropout", "2L-layer-manual-attn"]
+    try:
+        ahead = Ahead(fresh, [(name, impl, find_case(name), "cpu", {}) for name in names])
+        assert ahead.take("1L-layer-dropout").passed
+        assert not ahead.take(FROZEN).passed  # fresh: the first call is the frozen segment
+        assert ahead.take("not queued") is None
+        ahead.stop()
+        assert not ahead.thread.is_alive()
+        taken = ahead.take("2L-layer-manual-attn")  # stopped before it, or done before that
+        assert taken is None or taken.passed
+    finally:
+        fresh.close()
+    assert not multiprocessing.active_children()
 
 
 def test_only_an_implementation_another_process_can_build_goes_there() -> None:
