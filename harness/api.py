@@ -51,6 +51,9 @@ __all__ = ["Failure", "Report", "assert_equivalent", "check"]
 #: ``gradequiv check --case-timeout``'s default
 DEFAULT_TIMEOUT_S = 600.0
 
+#: the words that begin a localisation which found the op (``localise.Localisation``)
+DIVERGING_OP_LABEL = "first diverging op: "
+
 #: objects that could not go to a child by name, reachable here by a reference of their own
 #: (``gradequiv.harness.api:given.impl_1``) for a run in this process
 given = types.SimpleNamespace()
@@ -65,7 +68,8 @@ class Failure:
     properties: tuple[str, ...]  # which properties fail on it
     message: str  # the headline mismatch (which tensor, by how much, against which bound)
     cause: str | None  # the likely cause in one sentence (None: no diagnosis)
-    first_diverging_op: str | None  # where the re-run first differs from its forward
+    #: where the re-run first differs from its forward, without the label (None: not found)
+    first_diverging_op: str | None
     reproduce: str  # one command that replays exactly this case
     data: dict[str, Any] = field(repr=False, compare=False, default_factory=dict)
 
@@ -75,7 +79,9 @@ class Failure:
             lines.append(f"    cause: {self.cause}")
         lines.append(f"    {self.message}")
         if self.first_diverging_op:
-            lines.append(f"    {self.first_diverging_op}")
+            lines.append(f"    {DIVERGING_OP_LABEL}{self.first_diverging_op}")
+        elif self.data.get("localisation"):  # why no op was found
+            lines.append(f"    {self.data['localisation']}")
         lines.append(f"    reproduce: {self.reproduce}")
         return "\n".join(lines)
 
@@ -124,7 +130,7 @@ class Report:
                 properties=(item.get("property", ""),),
                 message=item.get("message", ""),
                 cause=diagnosis.get("sentence"),
-                first_diverging_op=item.get("localisation"),
+                first_diverging_op=_diverging_op(item.get("localisation")),
                 # the short line reads the case file, which a temporary folder does not keep
                 reproduce=(item.get("reproduce_file") if self.folder is not None else None)
                 or key,
@@ -188,6 +194,13 @@ class Report:
         for name, filename in FORMATS.items():
             write_text_atomic(target / filename, render(name, bundle))
         return target
+
+
+def _diverging_op(localisation: str | None) -> str | None:
+    """The op a localisation names, its label left to whoever shows it under one."""
+    if not localisation or not localisation.startswith(DIVERGING_OP_LABEL):
+        return None
+    return localisation.removeprefix(DIVERGING_OP_LABEL)
 
 
 def check(

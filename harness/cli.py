@@ -121,7 +121,7 @@ def build_parser() -> argparse.ArgumentParser:
     check.add_argument("--atol", default=None,
                        help="explicit absolute-error bound (a tensor within it passes)")
     check.add_argument("--report-dir", type=Path, default=None, metavar="DIR",
-                       help="write DIR/report.json")
+                       help="write DIR/report.json, report.md, report.html and junit.xml")
     check.add_argument("--no-shrink", action="store_true",
                        help="report each failing example as found, without shrinking it")
     check.add_argument("--shrink-budget", default=None, metavar="SECONDS",
@@ -235,8 +235,8 @@ def build_parser() -> argparse.ArgumentParser:
     dist.add_argument("--timeout", type=_tolerance("--timeout"), default=300.0, metavar="SECONDS",
                       help="kill the ranks after this long (default %(default)s)")
     dist.add_argument("--report-dir", type=Path, default=None, metavar="DIR",
-                      help="write DIR/report.json and report.md, as check does (render "
-                           "junit.xml and report.html with gradequiv report DIR)")
+                      help="write DIR/report.json and report.md (render junit.xml and "
+                           "report.html with gradequiv report DIR)")
     zoo = commands.add_parser(
         "zoo", help="every architecture of a library through its own checkpointing: a table")
     zoo.add_argument("--library", required=True, choices=("transformers", "timm", "diffusers"),

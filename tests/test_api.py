@@ -40,9 +40,12 @@ def test_a_failing_check_says_the_cause_the_op_and_how_to_reproduce(failing):
     assert "autocast state" in failing.likely_cause
     [first] = failing.failures
     assert first.properties[0] == "gradients" and "relative error" in first.message
-    assert first.first_diverging_op.startswith("first diverging op: addmm")
+    assert first.first_diverging_op.startswith("addmm in ")  # the attribute is the label
     assert first.reproduce.startswith("gradequiv check --impl hand_written:my_checkpoint ")
     assert first.reproduce in text and first.first_diverging_op in text
+    shown = str(first)
+    assert f"first diverging op: {first.first_diverging_op}" in shown
+    assert shown.count("first diverging op") == 1
     assert text.endswith("verdict: FAIL")
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+import xml.etree.ElementTree as ET
 from pathlib import Path
 from typing import Any
 
@@ -62,6 +63,10 @@ def test_no_rng_restore_exits_1_and_names_the_first_mismatched_gradient(
     minimal = read_report(tmp_path)["minimal_failures"][0]
     assert minimal["first_diverging_op"]["op"].startswith("bernoulli")
     assert "first diverging op: bernoulli" in out  # in the terminal summary too
+    # every view beside report.json, as `gradequiv report --format all` renders them
+    page = (tmp_path / "report.html").read_text()
+    assert "does not restore the RNG state" in page and "first diverging op: bernoulli" in page
+    assert ET.parse(tmp_path / "junit.xml").getroot().get("failures") != "0"
 
 
 def test_the_reproduce_command_reruns_exactly_that_case(
@@ -277,14 +282,15 @@ def test_a_long_output_is_kept_bounded() -> None:
     assert kept["stderr"] == ""
 
 
-def test_check_writes_report_md_beside_report_json(
+def test_check_writes_every_view_beside_report_json(
         tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     code, _, _ = check(capsys, "--impl", "torch", *ONE, "--report-dir", str(tmp_path))
     assert code == 0
     markdown = (tmp_path / "report.md").read_text()
     assert markdown.startswith("## gradequiv") and "**PASS**: `torch`" in markdown
     assert sorted(p.name for p in tmp_path.iterdir() if p.is_file()) == [
-        "report.json", "report.md"]
+        "junit.xml", "report.html", "report.json", "report.md"]
+    assert "<title>gradequiv report: PASS</title>" in (tmp_path / "report.html").read_text()
 
 
 def test_a_spec_with_two_colons_is_refused_in_one_line(

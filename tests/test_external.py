@@ -51,6 +51,25 @@ def test_mutants_are_caught_on_a_user_model(name: str) -> None:
     assert not all(v.passed for v in verdicts)
 
 
+def test_the_reproduce_line_of_a_user_model_case_replays_the_user_s_batch() -> None:
+    """The factory builds the batch from the seed (8 x 16 here): the line embeds no default
+    batch of the reference model's, and its case builds the user's batch again."""
+    import shlex
+
+    import torch
+
+    from gradequiv.harness.reports.report import reproduce_command
+    from gradequiv.models import build
+
+    case = Case(model=ExternalConfig(MODEL), seed=3)
+    line = reproduce_command(resolve("torch"), case, torch.device("cpu"))
+    text = shlex.split(line)[-1]
+    assert "batch" not in json.loads(text)
+    replayed = Case.from_json(text)
+    assert replayed == case
+    assert build(replayed.model, replayed.batch, replayed.seed, "cpu").inputs[0].shape == (8, 16)
+
+
 def test_only_segment_granularities_apply_to_a_user_model() -> None:
     case = Case(model=ExternalConfig(MODEL), granularity=parse_granularity("attention"))
     with pytest.raises(InvalidArgument, match="use none, layer or every:K"):

@@ -533,8 +533,9 @@ def test_profile_measures_under_threads_as_check_does_and_puts_them_back(
     finally:
         torch.set_num_threads(before)
     assert said in capsys.readouterr().out.splitlines()[0]
-    assert json.loads((tmp_path / "profile.json").read_text())["conditions"]["threads"] \
-        == measured
+    conditions = json.loads((tmp_path / "profile.json").read_text())["conditions"]
+    assert conditions["threads"] == measured
+    assert len(conditions["load_average"]) == 3  # beside the threads: what else ran
 
 
 def _timed(name: str, ms: float, spread: float, held: int) -> profiling.GranularityProfile:
@@ -563,7 +564,9 @@ def test_rows_within_noise_are_tied_and_the_one_saving_more_memory_is_recommende
     assert rec["why"].startswith("every:2 and layer are tied within noise (step-time "
                                  "interquartile ranges overlap: every:2 10.1-10.3 ms, layer "
                                  "10.2-11.4 ms)")
-    assert "the one saving more memory is recommended, layer" in rec["why"]
+    assert ("so time does not rank them and memory picks: the smallest peak is recommended, "
+            f"layer, peak {4 * MIB:,} bytes (held between forward and backward: "
+            f"{4 * MIB:,} bytes)") in rec["why"]
     # by p50s the step on to layer costs 6x, but not at the ends of the ranges: no knee
     assert "no step along the frontier costs more than 2x" in rec["why"]
     assert "tied with it within noise" in rec["rule"]
@@ -607,3 +610,23 @@ def test_the_command_writes_each_rows_quartiles_and_the_ties(
         s = row["step_s"]
         assert s["p25"] <= s["p50"] <= s["p75"] <= s["p99"]
     assert isinstance(data["recommendation"]["tied"], list)
+
+
+def test_the_table_names_held_and_peak_bytes_apart_and_the_conditions_say_the_load() -> None:
+    """group:2 holds the least but peaks the most: its held bytes saved and its peak saved
+    are two columns, never one "saved"; the load average is beside the thread count."""
+    from gradequiv.harness.reports.tables import profile_summary, profile_tables
+
+    rows = _on_frontier([_timed("none", 10.0, 0.1, 16 * MIB),
+                         _row("group:2", 14.0, 1 * MIB, peak=20 * MIB)])
+    for row in rows:
+        row.step_s |= {"p95": row.step_s["p50"], "p99": row.step_s["p50"]}
+    data = {"implementation": "torch", "rows": [vars(r) for r in rows],
+            "conditions": {"shape": "2L", "torch": "2", "device": "cpu", "threads": 1,
+                           "load_average": [3.5, 2.25, 1.0], "steps": 5, "warmup": 1}}
+    [(_, table)] = profile_tables(data)
+    assert table.head[1:5] == ["held bytes", "peak bytes", "held saved vs none",
+                                 "peak saved vs none"]
+    group = table.rows[1]
+    assert group[1:3] == [f"{MIB:,}", f"{20 * MIB:,}"] and group[4] == "-25.0%"
+    assert "cpu, 1 thread, load average 3.50 2.25 1.00, 5 steps" in profile_summary(data)

@@ -235,13 +235,14 @@ def _profile() -> dict[str, Any]:
 PROFILE_MD = """\
 Profile of torch-offload: 2L x 16w; torch 2.x, cuda, 2 threads, 3 steps after 1 warm-up
 
-| granularity | activation bytes | peak in backward | saved vs none | step p50 ms | p95 ms \
-| p99 ms | overhead vs none | forward ms | backward ms | of which recompute ms | tokens/s \
-| frontier |
-|---|---|---|---|---|---|---|---|---|---|---|---|---|
-| none | 4,000 | 5,000 | 50.0% | 12.3 | 15.6 | 19.9 | +25.0% | 4.0 | 8.0 | 1.0 | 12,346 |  |
-| layer | 3,100 | 5,000 | 50.0% | 12.3 | 15.6 | 19.9 | +25.0% | 4.0 | 8.0 | 1.0 | 12,346 \
-| yes |
+| granularity | held bytes | peak bytes | held saved vs none | peak saved vs none \
+| step p50 ms | p95 ms | p99 ms | overhead vs none | forward ms | backward ms \
+| of which recompute ms | tokens/s | frontier |
+|---|---|---|---|---|---|---|---|---|---|---|---|---|---|
+| none | 4,000 | 5,000 | 50.0% | 0.0% | 12.3 | 15.6 | 19.9 | +25.0% | 4.0 | 8.0 | 1.0 \
+| 12,346 |  |
+| layer | 3,100 | 5,000 | 50.0% | 0.0% | 12.3 | 15.6 | 19.9 | +25.0% | 4.0 | 8.0 | 1.0 \
+| 12,346 | yes |
 
 Where the activation bytes were held:
 

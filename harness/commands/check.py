@@ -113,9 +113,9 @@ def _run(options: CheckOptions, observer: Any) -> int:
         if replaced:
             code = _refuse_tampered(options.report_dir, replaced)
         if options.report_dir is not None:
-            from gradequiv.harness.commands.render import write_markdown
+            from gradequiv.harness.commands.render import write_views
 
-            write_markdown(options.report_dir)  # users look for report.md beside report.json
+            write_views(options.report_dir)  # users look for report.md, .html beside .json
         return code
 
 

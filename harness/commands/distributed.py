@@ -769,10 +769,10 @@ class RunReport:
         self._write(None, None, complete=False)
 
     def finish(self, found: Found | None, diagnosis: dict[str, Any] | None) -> None:
-        from gradequiv.harness.commands.render import write_markdown
+        from gradequiv.harness.commands.render import write_views
 
         self._write(found, diagnosis, complete=True)
-        write_markdown(self.folder)
+        write_views(self.folder, ("md",))
 
     def _reproduce(self, found: Found) -> str:
         return reproduce_line(self.impl, found.case, found.parallel,

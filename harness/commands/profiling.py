@@ -20,6 +20,7 @@ between them.
 
 from __future__ import annotations
 
+import os
 import statistics
 import time
 from collections.abc import Callable
@@ -372,12 +373,22 @@ def profile(
     for row, on in zip(rows, pareto_frontier([(peak_bytes(r), r.step_s["p50"]) for r in rows])):
         row.on_frontier = on
     conditions = {"torch": torch.__version__, "device": str(device),
-                  "threads": torch.get_num_threads(), "dtype": case.dtype,
+                  "threads": torch.get_num_threads(), "load_average": _load_average(),
+                  "dtype": case.dtype,
                   "steps": steps, "warmup": warmup, "tokens_per_step": tokens,
                   "unit": unit, "batch": batch, "shape": shape}
     return ProfileResult(impl.spec, case.to_dict(), conditions, rows, impl.adapter,
                          {k: repr(v) for k, v in impl.kwargs.items()},
                          recommend(rows, batch=batch, unit=unit, memory_budget=memory_budget))
+
+
+def _load_average() -> list[float] | None:
+    """The machine's load over 1, 5 and 15 minutes as the steps ended (None where the
+    platform keeps none): step times on a loaded machine are not comparable."""
+    try:
+        return [round(x, 2) for x in os.getloadavg()]
+    except (AttributeError, OSError):
+        return None
 
 
 def same_configurations_once(impl: Implementation, case: Case,
@@ -441,10 +452,10 @@ def _tie_sentence(pick: GranularityProfile, tied: list[GranularityProfile]) -> s
     listed = " and ".join(names) if len(names) < 3 else f"{', '.join(names[:-1])} and {names[-1]}"
     bands = ", ".join(f"{r.granularity} {_band(r)[0] * 1e3:.1f}-{_band(r)[1] * 1e3:.1f} ms"
                       for r in tied)
-    most = "more" if len(tied) == 2 else "the most"
     return (f"{listed} are tied within noise (step-time interquartile ranges overlap: "
-            f"{bands}), so time does not rank them and the one saving {most} memory is "
-            f"recommended, {pick.granularity}, peak {peak_bytes(pick):,} bytes")
+            f"{bands}), so time does not rank them and memory picks: the smallest peak is "
+            f"recommended, {pick.granularity}, peak {peak_bytes(pick):,} bytes (held between "
+            f"forward and backward: {pick.held_bytes:,} bytes)")
 
 
 def recommend(rows: list[GranularityProfile], *, batch: int, unit: str = "tokens",

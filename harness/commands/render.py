@@ -80,17 +80,20 @@ def _refuse_foreign_views(folder: Path, paths: list[Path]) -> None:
                               f"elsewhere with --output PATH")
 
 
-def write_markdown(folder: Path) -> Path | None:
-    """report.md beside the folder's report.json (``check --report-dir`` writes both); None
-    when there is no report.json to render."""
+def write_views(folder: Path, names: tuple[str, ...] = tuple(FORMATS)) -> list[Path]:
+    """The views (``names``: md, html, junit) beside the folder's report.json, as
+    ``gradequiv report --format all`` renders them: a check's folder is whole without a
+    second command. Nothing is written where there is no report.json to render."""
     from gradequiv.harness.reports.bundle import load_bundle
     from gradequiv.harness.reports.files import write_text_atomic
 
     if not (folder / REPORT_FILE).exists():
-        return None
-    path = folder / FORMATS["md"]
-    write_text_atomic(path, render("md", load_bundle(folder)))
-    return path
+        return []
+    bundle = load_bundle(folder)
+    paths = [folder / FORMATS[name] for name in names]
+    for name, path in zip(names, paths):
+        write_text_atomic(path, render(name, bundle))
+    return paths
 
 
 def run_problems(report: dict[str, Any] | None, run_id: str) -> tuple[str | None, str | None]:

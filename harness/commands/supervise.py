@@ -363,9 +363,9 @@ def _write_ended_report(report_dir: Path | None, child: _Child, ended: str) -> s
         return f"the run wrote no report before it ended, so {path} was not written"
     write_json_atomic(path, process_ended_report(last, child.records, message=ended,
                                                  during=child.during))
-    from gradequiv.harness.commands.render import write_markdown
+    from gradequiv.harness.commands.render import write_views
 
-    write_markdown(report_dir)
+    write_views(report_dir)
     return f"they are kept in {path} and report.md, marked incomplete"
 
 

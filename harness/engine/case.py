@@ -264,11 +264,16 @@ class Case:
         return MODEL_DTYPES.get(self.dtype)
 
     def to_dict(self) -> dict[str, Any]:
+        """The case as JSON data. A user's model runs the batch its factory builds from the
+        seed, so its case shows no default batch that nothing runs (only the rows a
+        distributed case asks of its ranks)."""
+        unused = isinstance(self.model, ExternalConfig) and self.batch == BatchConfig()
+        batch = {} if unused else {"batch": asdict(self.batch)}
         return {
             "name": self.name,
             "model_kind": self.model_kind,
             "model": asdict(self.model),
-            "batch": asdict(self.batch),
+            **batch,
             "granularity": str(self.granularity),
             "dtype": self.dtype,
             "seed": self.seed,

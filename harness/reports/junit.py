@@ -36,7 +36,8 @@ def case_family(case: dict[str, Any]) -> str:
 
 
 def _size(case: dict[str, Any]) -> int:
-    model, batch = case["model"], case["batch"]
+    model = case["model"]
+    batch = case.get("batch") or {"batch_size": 1, "seq_len": 1}  # a user's model: unknown
     return int(model.get("n_layer", 1) * model.get("n_embd", model.get("width", 1))
                * batch["batch_size"] * batch["seq_len"])
 

@@ -57,21 +57,29 @@ def profile_summary(profile: dict[str, Any]) -> str:
     """What was profiled, and under which conditions."""
     c = profile["conditions"]
     threads = f"{c['threads']} thread{'s' * (c['threads'] != 1)}"
+    load = c.get("load_average")  # absent in files written before it was kept
+    loaded = f", load average {' '.join(f'{x:.2f}' for x in load)}" if load else ""
     return (f"Profile of {profile['implementation']}: {c['shape']}; torch {c['torch']}, "
-            f"{c['device']}, {threads}, {c['steps']} steps after {c['warmup']} warm-up")
+            f"{c['device']}, {threads}{loaded}, {c['steps']} steps after {c['warmup']} "
+            f"warm-up")
 
 
 def profile_tables(profile: dict[str, Any]) -> list[tuple[str, Table]]:
     """The profile's tables with their captions: memory and time per granularity; where the
     held bytes went (an offload over more than one device); CUDA's allocator (on CUDA)."""
     rows = profile["rows"]
+    none = next((r for r in rows if r["granularity"] == "none"), None)
+
+    def peak_saved(row: dict[str, Any]) -> str:
+        return f"{1 - _peak(row) / _peak(none):.1%}" if none and _peak(none) else "-"
+
     tables = [("", Table(
-        ["granularity", "activation bytes", "peak in backward", "saved vs none", "step p50 ms",
-         "p95 ms", "p99 ms", "overhead vs none", "forward ms", "backward ms",
-         "of which recompute ms", f"{profile['conditions'].get('unit', 'tokens')}/s",
-         "frontier"],
-        [[r["granularity"], f"{r['held_bytes']:,}", f"{r['peak_backward_bytes']:,}",
-          f"{r['memory_saved_vs_none']:.1%}", f"{r['step_s']['p50'] * 1e3:.1f}",
+        ["granularity", "held bytes", "peak bytes", "held saved vs none",
+         "peak saved vs none", "step p50 ms", "p95 ms", "p99 ms", "overhead vs none",
+         "forward ms", "backward ms", "of which recompute ms",
+         f"{profile['conditions'].get('unit', 'tokens')}/s", "frontier"],
+        [[r["granularity"], f"{r['held_bytes']:,}", f"{_peak(r):,}",
+          f"{r['memory_saved_vs_none']:.1%}", peak_saved(r), f"{r['step_s']['p50'] * 1e3:.1f}",
           f"{r['step_s']['p95'] * 1e3:.1f}", f"{r['step_s']['p99'] * 1e3:.1f}",
           f"{r['overhead_vs_none']:+.1%}", f"{r['forward_s'] * 1e3:.1f}",
           f"{r['backward_s'] * 1e3:.1f}", f"{r['recompute_s'] * 1e3:.1f}",
@@ -91,6 +99,11 @@ def profile_tables(profile: dict[str, Any]) -> list[tuple[str, Table]]:
               f"{r['cuda_requested_held_bytes']:,}", f"{r['cuda_max_allocated_bytes']:,}"]
              for r in rows])))
     return tables
+
+
+def _peak(row: dict[str, Any]) -> int:
+    """The most activation bytes alive at once in the row's step (``peak_bytes``)."""
+    return max(int(row["held_bytes"]), int(row["peak_backward_bytes"]))
 
 
 def profile_recommendation(profile: dict[str, Any]) -> list[tuple[str, Table | None]]:
