@@ -215,6 +215,11 @@ def build_parser() -> argparse.ArgumentParser:
                       help="the seed the cases are drawn from (default %(default)s)")
     dist.add_argument("--model", default=None, metavar="SPEC",
                       help="your model's factory, as for check --model")
+    dist.add_argument("--split", default=None, metavar="MODULE:FUNCTION",
+                      help="under pp with --model, your model's stages: called as "
+                           "function(model, n_stages), returning n_stages nn.Modules in order "
+                           "that hold the model's own submodules (torchtitan's pipeline_llm "
+                           "split)")
     dist.add_argument("--parallelize", default=None, metavar="MODULE:FUNCTION",
                       help="your set-up, called with the model and the device mesh and "
                            "returning the model to train (torchtitan's parallelize_* shape)")

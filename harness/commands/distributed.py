@@ -550,6 +550,8 @@ def reproduce_line(impl: Implementation, case: Case, parallel: Parallel, world_s
     if parallel.pipeline is not None:
         words += ["--schedule", parallel.pipeline.schedule,
                   "--micro-batches", str(parallel.pipeline.micro_batches)]
+        if parallel.pipeline.split is not None:
+            words += ["--split", parallel.pipeline.split]
     if parallelize is not None:
         words += ["--parallelize", parallelize]
     words += ["--case", case.to_json()]
@@ -576,6 +578,7 @@ def run(args: Any) -> int:
     if "user" in engines and args.parallelize is None:
         raise InvalidArgument("--wrapper=user needs --parallelize MODULE:FUNCTION, your "
                               "function (model, mesh) -> model")
+    _check_split(args, engines)
     _check_pool(args.world_size, args.device, args.parallelize)
     case = load_case(args.case) if args.case is not None else None
     if case is not None and case_refusal(case, args.world_size):
@@ -644,24 +647,44 @@ def _run_one(pools: RankPools, impl: Implementation, case: Case, engines: tuple[
     return len(engines), failed
 
 
+def _check_split(args: Any, engines: tuple[str, ...]) -> None:
+    """``--split`` cuts the user's model (``--model``) into the stages of ``--wrapper pp``:
+    refused without either, before any rank starts."""
+    split = getattr(args, "split", None)
+    if split is None:
+        return
+    if args.model is None and args.case is None:
+        raise InvalidArgument(f"--split={split!r} without --model: a split function cuts "
+                              f"your model into stages (the reference transformer is split "
+                              f"by layers); give --model MODULE:FACTORY too")
+    if "pp" not in engines:
+        raise InvalidArgument(f"--split={split!r} with --wrapper {args.wrapper}: the split "
+                              f"is a pipeline's stages; use --wrapper pp")
+    from gradequiv.harness.engine.pipeline import load_split
+
+    load_split(split)
+
+
 def _pipelining(args: Any) -> Any:
-    """The pipeline ``--schedule`` and ``--micro-batches`` state for ``--case`` (GPipe, and
-    one micro-batch per rank or per stage, where not given)."""
+    """The pipeline ``--schedule``, ``--micro-batches`` and ``--split`` stated for
+    ``--case`` (GPipe, and one micro-batch per rank or per stage, where not given)."""
     from gradequiv.harness.engine.pipeline import Pipelining
 
     schedule = args.schedule or "gpipe"
     micro = args.micro_batches or Pipelining(schedule, 1).n_stages(args.world_size)
-    return Pipelining(schedule, micro)
+    return Pipelining(schedule, micro, split=getattr(args, "split", None))
 
 
 def _pipeline_refusal(case: Case, parallel: Parallel, world_size: int) -> str | None:
     """Why ``case`` cannot go through ``parallel``'s pipeline; None where it can, or no
-    pipeline is asked for."""
+    pipeline is asked for. A user's model is built once here to see its batch and its
+    split (a mistake there is the user's to fix, not a case that fails on the ranks)."""
     if parallel.pipeline is None:
         return None
-    from gradequiv.harness.engine.pipeline import pipeline_refusal
+    from gradequiv.harness.engine.pipeline import pipeline_refusal, user_split_refusal
 
-    return pipeline_refusal(case, parallel.pipeline, world_size)
+    return (pipeline_refusal(case, parallel.pipeline, world_size)
+            or user_split_refusal(case, parallel.pipeline, world_size))
 
 
 def _held(verdict: DistributedVerdict) -> str:

@@ -38,23 +38,29 @@ from gradequiv.harness.engine.schedules import (
 )
 from gradequiv.harness.errors import InvalidArgument
 from gradequiv.models import TransformerConfig
+from gradequiv.models.external import ExternalConfig
 from gradequiv.models.granularity import LayerGroups
+from gradequiv.models.segments import unwrapped_name, user_view
 from gradequiv.models.transformer import Transformer, _run_layer
 
-__all__ = ["PIPELINE_SCHEDULES", "Pipelining", "RankStep", "StagedPath", "pipeline_refusal",
-           "split_stages"]
+__all__ = ["PIPELINE_SCHEDULES", "Pipelining", "RankStep", "StagedPath", "UserStage",
+           "load_split", "pipeline_refusal", "split_stages", "user_split_refusal"]
 
 
 def pipeline_refusal(case: Case, pipelining: Pipelining | None = None,
                      world_size: int = 2) -> str | None:
     """Why ``case`` cannot be trained through ``pipelining`` on ``world_size`` ranks, in a
     sentence that names what to change; None where it can. Without ``pipelining``, only what
-    the case itself rules out, whatever the schedule."""
+    the case itself rules out, whatever the schedule. A user's model is judged here as far
+    as its case says; what its batch and its split function rule out needs the model
+    built (``user_split_refusal``)."""
     model = case.model
+    if isinstance(model, ExternalConfig):
+        return _user_refusal(case, pipelining, world_size)
     if not isinstance(model, TransformerConfig):
         return (f"model kind {case.model_kind!r}: the pipeline split is the reference "
-                f"transformer's (embeddings, layers, norm and head); a user's model needs a "
-                f"split function of its own")
+                f"transformer's (embeddings, layers, norm and head); a user's model "
+                f"(--model) needs a split function of its own (--split module:function)")
     why = _model_refusal(model) or _training_refusal(case)
     if why or pipelining is None:
         return why
@@ -65,11 +71,10 @@ def pipeline_refusal(case: Case, pipelining: Pipelining | None = None,
                 f"{units} units (embeddings, {units - 2} layer(s) or group(s) under "
                 f"granularity {case.granularity}, norm and head): a stage needs one at "
                 f"least; use fewer stages per rank, more layers or smaller groups")
+    why = _micro_batch_refusal(pipelining, world_size)
+    if why:
+        return why
     kind = PIPELINE_SCHEDULES[pipelining.schedule]
-    least = kind.min_micro_batches_per_stage * n
-    if pipelining.micro_batches < least:
-        return (f"micro_batches={pipelining.micro_batches} under {kind.torch_name}: it takes "
-                f"one per stage at least; use micro_batches >= {least}")
     if kind.split_backward and model.layer_repeats > 1:
         return (f"layer_repeats={model.layer_repeats} under {kind.torch_name}: its "
                 f"weight pass cannot take the gradient of a weight used twice in one stage "
@@ -82,6 +87,97 @@ def pipeline_refusal(case: Case, pipelining: Pipelining | None = None,
                 f"do not divide evenly (the loss then meets logits and targets of other "
                 f"sizes); use a batch_size that is a multiple of {micro}")
     return None
+
+
+def _micro_batch_refusal(pipelining: Pipelining, world_size: int) -> str | None:
+    """The fewest micro-batches the schedule takes (Schedule1F1B refuses fewer when made)."""
+    kind = PIPELINE_SCHEDULES[pipelining.schedule]
+    least = kind.min_micro_batches_per_stage * pipelining.n_stages(world_size)
+    if pipelining.micro_batches < least:
+        return (f"micro_batches={pipelining.micro_batches} under {kind.torch_name}: it takes "
+                f"one per stage at least; use micro_batches >= {least}")
+    return None
+
+
+def _user_refusal(case: Case, pipelining: Pipelining | None, world_size: int) -> str | None:
+    """What rules out a user's model before it is built: the training loop the schedule
+    replaces, a split function not named, too few micro-batches for the schedule."""
+    why = _training_refusal(case)
+    if why or pipelining is None:
+        return why
+    if pipelining.split is None:
+        return _no_split(case)
+    return _micro_batch_refusal(pipelining, world_size)
+
+
+def _no_split(case: Case) -> str:
+    factory = cast("ExternalConfig", case.model).factory
+    return (f"--model {factory} under --wrapper pp without --split: the split by layers is "
+            f"the reference transformer's, and only your code knows where your model's "
+            f"stages part; name a function with --split module:function, called as "
+            f"function(model, n_stages) and returning n_stages nn.Modules, in order, that "
+            f"hold the model's own submodules")
+
+
+def user_split_refusal(case: Case, pipelining: Pipelining, world_size: int) -> str | None:
+    """What a user's model, built once on the CPU, rules out under ``pipelining``: a batch
+    whose rows do not divide into the micro-batches, a split function that does not give
+    the stages (None: the reference transformer's, or nothing to refuse). Called before
+    any rank starts, so a mistake is a usage error, not a case that fails on the ranks."""
+    if not isinstance(case.model, ExternalConfig) or pipelining.split is None:
+        return None
+    from gradequiv.harness.engine.path import build_path
+
+    path = build_path(case, torch.device("cpu"))
+    why = _rows_refusal(path, pipelining)
+    if why:
+        return why
+    try:
+        split_stages(path, pipelining.n_stages(world_size), pipelining.split)
+    except InvalidArgument as exc:
+        return str(exc)
+    return None
+
+
+def _rows_refusal(path: PreparedPath, pipelining: Pipelining) -> str | None:
+    """A user's batch that torch's schedule cannot split: it cuts every input and the
+    targets into ``micro_batches`` parts along their first dimension."""
+    micro = pipelining.micro_batches
+    factory = cast("ExternalConfig", path.case.model).factory
+    tensors = [t for t in (*path.inputs, path.targets) if t is not None]
+    rows = sorted({t.shape[0] if t.dim() else 0 for t in tensors})
+    if len(rows) > 1:
+        return (f"--model {factory}: its inputs and targets have {rows} rows: torch's "
+                f"schedule cuts each into micro-batches by its first dimension, so the loss "
+                f"would meet outputs and targets of other sizes; give every input and the "
+                f"targets the batch's rows first")
+    if not rows or rows[0] == 0 or rows[0] % micro:
+        have = rows[0] if rows else 0
+        return (f"--model {factory}: its batch has {have} rows, with micro_batches={micro}: "
+                f"torch's schedule splits the inputs and the targets into micro-batches of "
+                f"as many rows each, which {have} rows do not give; use --micro-batches that "
+                f"divides {have}, or a batch of a multiple of {micro} rows")
+    return None
+
+
+def load_split(spec: str) -> Callable[[nn.Module, int], Any]:
+    """The user's ``split(model, n_stages) -> [stage, ...]`` named by ``module:function``."""
+    import os
+    import pkgutil
+    import sys
+
+    if os.getcwd() not in sys.path:  # the module may live in the current directory
+        sys.path.insert(0, os.getcwd())
+    try:
+        function = pkgutil.resolve_name(spec)
+    except Exception as exc:
+        raise InvalidArgument(f"--split={spec!r} could not be imported: "
+                              f"{type(exc).__name__}: {exc}; check that the module is on "
+                              f"PYTHONPATH or in the current directory") from exc
+    if not callable(function):
+        raise InvalidArgument(f"--split={spec!r} is a {type(function).__name__}, not a "
+                              f"function (model, n_stages) -> list of nn.Modules")
+    return function  # type: ignore[no-any-return]
 
 
 def _model_refusal(model: TransformerConfig) -> str | None:
@@ -218,13 +314,19 @@ class Stage(nn.Module):
             return x, x0.clone()
 
 
-def split_stages(path: PreparedPath, n_stages: int) -> list[Stage]:
+def split_stages(path: PreparedPath, n_stages: int, split: str | None = None
+                 ) -> list[Stage] | list[UserStage]:
     """The path's model as ``n_stages`` stages, in order (every stage, on every rank: each
-    keeps the ones the schedule places on it). Raises InvalidArgument where the case is
-    refused (``pipeline_refusal``)."""
+    keeps the ones the schedule places on it): the reference transformer by layers, a
+    user's model by its ``split`` function. Raises InvalidArgument where the case is
+    refused (``pipeline_refusal``) or the split function gives no such stages."""
     why = pipeline_refusal(path.case)
     if why:
         raise InvalidArgument(why)
+    if isinstance(path.case.model, ExternalConfig):
+        if split is None:
+            raise InvalidArgument(_no_split(path.case))
+        return _split_user_model(path, n_stages, split)
     model = cast("Transformer", path.model)
     grouped = isinstance(path.case.granularity, LayerGroups)
     layers = [s.module for s in path.segments] if grouped else list(model.blocks)
@@ -240,6 +342,72 @@ def split_stages(path: PreparedPath, n_stages: int) -> list[Stage]:
         stages.append(Stage(model, path.case, units[start:stop], s, n_stages))
         start = stop
     return stages
+
+
+class UserStage(nn.Module):
+    """One stage of a user's model: the module their split function returned, called under
+    the case's autocast. The first takes the model's inputs (its keyword inputs by their
+    names, as ``ExternalModel.forward`` hands them), the others the previous stage's output
+    as it came; the last returns what the user's loss takes."""
+
+    def __init__(self, inner: nn.Module, case: Case, device: torch.device, index: int,
+                 count: int, input_keys: tuple[str, ...]) -> None:
+        super().__init__()
+        self.inner = inner
+        self.index, self.count = index, count
+        self._case, self._device, self._input_keys = case, device, input_keys
+
+    @property
+    def is_first(self) -> bool:
+        return self.index == 0
+
+    @property
+    def is_last(self) -> bool:
+        return self.index == self.count - 1
+
+    def forward(self, *args: Any) -> Any:
+        with self._case.autocast(self._device):
+            if self.is_first and self._input_keys:
+                k = len(args) - len(self._input_keys)
+                return self.inner(*args[:k], **dict(zip(self._input_keys, args[k:])))
+            return self.inner(*args)
+
+
+def _split_user_model(path: PreparedPath, n_stages: int, split: str) -> list[UserStage]:
+    """The user's model cut by their function into ``n_stages`` stages, checked: as many as
+    asked, each an nn.Module, holding the model's own parameters (a copy would train
+    weights nothing compares), none held by two stages (no schedule sums its gradients)."""
+    model = user_view(path.model)
+    made = load_split(split)(model, n_stages)
+    said = f"--split={split!r} returned"
+    if not isinstance(made, (list, tuple)) or len(made) != n_stages:
+        got = (f"{len(made)} stage(s)" if isinstance(made, (list, tuple))
+               else f"a {type(made).__name__}")
+        raise InvalidArgument(f"{said} {got} for n_stages={n_stages}: the schedule places "
+                              f"exactly n_stages stages on the ranks; return a list of "
+                              f"n_stages nn.Modules, in order")
+    for k, stage in enumerate(made):
+        if not isinstance(stage, nn.Module):
+            raise InvalidArgument(f"{said} a {type(stage).__name__} as stage {k}: torch's "
+                                  f"PipelineStage runs an nn.Module; return the model's own "
+                                  f"submodules in nn.Modules (an nn.Sequential, or a module "
+                                  f"of your own whose forward calls them)")
+    owned = {id(p): n for n, p in model.named_parameters()}
+    holder: dict[int, int] = {}
+    for k, stage in enumerate(made):
+        for p in stage.parameters():
+            if id(p) not in owned:
+                raise InvalidArgument(f"{said} stage {k} with a parameter of shape "
+                                      f"{tuple(p.shape)} that is not the model's: a stage "
+                                      f"must hold the model's own submodules, not copies "
+                                      f"(the recompute is installed on the model's)")
+            if holder.setdefault(id(p), k) != k:
+                raise InvalidArgument(f"{said} {owned[id(p)]} in stages {holder[id(p)]} and "
+                                      f"{k}: no schedule sums a gradient across stages; give "
+                                      f"each parameter to one stage")
+    keys = tuple(getattr(path.model, "input_keys", ()))
+    return [UserStage(stage, path.case, path.device, k, n_stages, keys)
+            for k, stage in enumerate(made)]
 
 
 @dataclass
@@ -269,8 +437,13 @@ class StagedPath:
         why = pipeline_refusal(path.case, pipelining, world_size)
         if why:
             raise InvalidArgument(why)
-        self.path, self.pipelining = path, pipelining
-        every = split_stages(path, pipelining.n_stages(world_size))
+        user = isinstance(path.case.model, ExternalConfig)
+        why = _rows_refusal(path, pipelining) if user else None
+        if why:
+            raise InvalidArgument(why)
+        self.path, self.pipelining, self.user = path, pipelining, user
+        every: list[Any] = list(split_stages(path, pipelining.n_stages(world_size),
+                                             pipelining.split))
         placed = pipelining.stage_ranks(world_size)
         self.stages = [s for s in every if placed[s.index] == rank]
         self.torch_stages = torch_stages = [
@@ -280,7 +453,9 @@ class StagedPath:
         held = torch_stages[0] if pipelining.schedule in ONE_STAGE_SCHEDULES else torch_stages
         self.schedule = schedule_class(held, pipelining.micro_batches,
                                        loss_fn=self._loss_fn())
-        named = {id(p): name for name, p in path.model.named_parameters()}
+        # the names the user's model gives (its own, not ExternalModel's ``inner.`` ones)
+        named = {id(p): unwrapped_name(name)
+                 for name, p in user_view(path.model).named_parameters()}
         self.local_parameters = [(named[id(p)], p) for s in self.stages for p in s.parameters()]
         self.optimizer = torch.optim.SGD([p for _, p in self.local_parameters], lr=LEARNING_RATE,
                                          momentum=MOMENTUM)
@@ -317,9 +492,13 @@ class StagedPath:
 
     def _scheduled(self) -> RankStep:
         """``schedule.step`` over the whole batch, what it left kept."""
-        tokens, mask = self.path.inputs
-        args = (tokens,) if self.holds_first else ()
-        kwargs: dict[str, Any] = {} if mask is None else {"key_padding_mask": mask}
+        if self.user:  # every input to the first stage, whose forward names the keywords
+            args: tuple[Any, ...] = tuple(self.path.inputs) if self.holds_first else ()
+            kwargs: dict[str, Any] = {}
+        else:
+            tokens, mask = self.path.inputs
+            args = (tokens,) if self.holds_first else ()
+            kwargs = {} if mask is None else {"key_padding_mask": mask}
         losses: list[Tensor] | None = [] if self.holds_last else None
         target = self.path.targets if self.holds_last else None
         output = self.schedule.step(*args, target=target, losses=losses, **kwargs)

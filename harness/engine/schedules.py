@@ -47,11 +47,14 @@ _TWO_IN_A_V = ("zbv-zero-bubble", "dualpipev")
 @dataclass(frozen=True)
 class Pipelining:
     """How a case is trained through a pipeline: torch's schedule, the micro-batches of one
-    optimizer step, and the stages each rank holds (None: the schedule's own number)."""
+    optimizer step, the stages each rank holds (None: the schedule's own number), and, for
+    a user's model, the ``module:function`` that splits it (``--split``): the reference
+    transformer is split by layers, a user's model only the way its author says."""
 
     schedule: str = "gpipe"
     micro_batches: int = 2
     stages_per_rank: int | None = None
+    split: str | None = None
 
     def __post_init__(self) -> None:
         if self.schedule not in PIPELINE_SCHEDULES:
@@ -60,6 +63,9 @@ class Pipelining:
         if not isinstance(self.micro_batches, int) or self.micro_batches < 1:
             raise InvalidArgument(f"micro_batches={self.micro_batches!r}: must be a whole "
                                   f"number >= 1")
+        if self.split is not None and ":" not in self.split:
+            raise InvalidArgument(f"--split={self.split!r} is not a 'module:function' "
+                                  f"reference; write e.g. 'my_models:split'")
         per_rank = self.stages_per_rank
         if per_rank is None:
             return
@@ -93,5 +99,6 @@ class Pipelining:
         return {s: s % world_size for s in range(n)}
 
     def describe(self) -> str:
+        split = f", split by {self.split}" if self.split is not None else ""
         return (f"{PIPELINE_SCHEDULES[self.schedule].torch_name}, {self.micro_batches} "
-                f"micro-batches, {self.per_rank} stage(s) per rank")
+                f"micro-batches, {self.per_rank} stage(s) per rank{split}")
