@@ -1,0 +1,115 @@
+"""A user's model through torch's pipeline schedules, cut into stages by the split function
+they name (``--split``), as torchtitan's ``pipeline_llm`` takes one: the recompute installed
+on the model's own segments runs inside the stages, and full storage runs the same split,
+schedule and micro-batches. The refusals need no ranks; the runs start two gloo ranks."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from gradequiv.harness.engine.case import Case
+from gradequiv.harness.engine.path import prepare
+from gradequiv.harness.engine.pipeline import (
+    Pipelining,
+    pipeline_refusal,
+    split_stages,
+    user_split_refusal,
+)
+from gradequiv.models import ExternalConfig, InvalidArgument
+
+TESTS = Path(__file__).parent
+CASE = Case(model=ExternalConfig("user_models:residual_stack"), dtype="fp32")  # 8 rows
+SPLIT = "pipeline_models:residual_stack_split"
+
+
+@pytest.fixture(autouse=True)
+def _models_importable(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The factory and the split live in tests/: the ranks (spawned) import them too."""
+    monkeypatch.syspath_prepend(str(TESTS))
+    monkeypatch.setenv("PYTHONPATH", str(TESTS))
+
+
+def test_the_split_stages_hold_the_models_own_blocks_and_compute_its_forward() -> None:
+    path = prepare(CASE, None, torch.device("cpu"))
+    stages = split_stages(path, 2, SPLIT)
+    inner = path.model.inner  # type: ignore[union-attr]
+    assert [s.inner.blocks[0] for s in stages] == [inner.blocks[0], inner.blocks[2]]
+    assert stages[-1].inner.head is inner.head and stages[0].inner.head is None
+    held = sorted(id(p) for s in stages for p in s.parameters())
+    assert held == sorted(id(p) for p in inner.parameters())
+    path.model.eval()  # no dropout: the two stages give the model's logits
+    x = path.inputs[0]
+    assert torch.equal(stages[1](stages[0](x)), path.model(x))
+
+
+def test_a_user_model_without_a_split_is_refused_naming_the_option() -> None:
+    why = pipeline_refusal(CASE, Pipelining("gpipe", 2))
+    assert why is not None and "--split module:function" in why
+    assert pipeline_refusal(CASE, Pipelining("gpipe", 2, split=SPLIT)) is None
+
+
+@pytest.mark.parametrize(("split", "says"), [
+    ("pipeline_models:one_stage_short", "returned 1 stage(s) for n_stages=2"),
+    ("pipeline_models:not_modules", "returned a function as stage 0"),
+    ("pipeline_models:copied_blocks", "that is not the model's"),
+    ("pipeline_models:no_such_function", "could not be imported"),
+])
+def test_a_split_that_gives_no_such_stages_is_refused_before_any_rank(split: str,
+                                                                      says: str) -> None:
+    why = user_split_refusal(CASE, Pipelining("gpipe", 2, split=split), 2)
+    assert why is not None and says in why
+    with pytest.raises(InvalidArgument, match="--split="):
+        split_stages(prepare(CASE, None, torch.device("cpu")), 2, split)
+
+
+def test_rows_that_do_not_divide_into_the_micro_batches_are_refused() -> None:
+    why = user_split_refusal(CASE, Pipelining("gpipe", 3, split=SPLIT), 2)
+    assert why is not None and "8 rows, with micro_batches=3" in why
+    assert user_split_refusal(CASE, Pipelining("gpipe", 4, split=SPLIT), 2) is None
+
+
+@pytest.mark.parametrize(("words", "says"), [
+    (["--split", SPLIT], "without --model"),
+    (["--model", "user_models:residual_stack", "--split", SPLIT, "--micro-batches", "3",
+      "--case", CASE.to_json()], "8 rows, with micro_batches=3"),
+    (["--model", "user_models:residual_stack", "--split", "pipeline_models:one_stage_short",
+      "--case", CASE.to_json()], "returned 1 stage(s)"),
+])
+def test_the_command_exits_2_with_the_rule_before_starting_ranks(
+        words: list[str], says: str, capsys: pytest.CaptureFixture[str]) -> None:
+    from gradequiv.harness.cli import main
+
+    assert main(["distributed", "--impl", "torch", "--wrapper", "pp", *words]) == 2
+    assert says in capsys.readouterr().err
+
+
+def _each(runs: list[tuple[str, Pipelining]]) -> list[Any]:
+    from gradequiv.harness import resolve
+    from gradequiv.harness.commands.distributed import RankPool
+    from gradequiv.harness.engine.parallel import Parallel
+
+    with RankPool(resolve("torch"), world_size=2, timeout_s=120) as pool:
+        return [pool.run(CASE, Parallel("pp", pipeline=layout), impl=resolve(impl))
+                for impl, layout in runs]
+
+
+def test_torch_checkpoint_passes_and_a_stack_per_stage_fails_on_the_split_user_model(
+        ) -> None:
+    """GPipe and 1F1B on two gloo ranks, two micro-batches of four rows: torch's checkpoint
+    passes every property the ranks check; a checkpoint that pops its boundaries from one
+    stack per stage re-runs micro-batch 0's backward with micro-batch 1's inputs."""
+    stack = "pipeline_impls:stage_stack_checkpoint"
+    layouts = [Pipelining(s, 2, split=SPLIT) for s in ("gpipe", "1f1b")]
+    verdicts = _each([(impl, layout) for impl in ("torch", stack) for layout in layouts])
+    for verdict in verdicts[:2]:
+        assert verdict.passed, (verdict.error, verdict.failures)
+        for rank in verdict.verdicts:
+            checked = {p.name for p in rank.properties if p.passed}
+            assert {"outputs", "gradients", "recompute"} <= checked
+    for verdict in verdicts[2:]:
+        assert not verdict.passed and verdict.error is None, verdict.error
+        assert any("grad of blocks." in line for line in verdict.failures), verdict.failures
