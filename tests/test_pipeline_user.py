@@ -113,3 +113,18 @@ def test_torch_checkpoint_passes_and_a_stack_per_stage_fails_on_the_split_user_m
     for verdict in verdicts[2:]:
         assert not verdict.passed and verdict.error is None, verdict.error
         assert any("grad of blocks." in line for line in verdict.failures), verdict.failures
+
+
+@pytest.mark.distributed
+def test_torch_checkpoint_passes_every_schedule_on_the_split_user_model() -> None:
+    """Every schedule of torch 2.13, zero-bubble ones included (four stages, one block or
+    the head each, where a rank holds two): the weight pass re-runs a block a second time
+    and torch's checkpoint serves it."""
+    from gradequiv.harness.engine.schedules import PIPELINE_SCHEDULES
+
+    layouts = [Pipelining(s, 2 if kind.stages_per_rank == 1 else 4, split=SPLIT)
+               for s, kind in PIPELINE_SCHEDULES.items()]
+    for layout, verdict in zip(layouts, _each([("torch", lay) for lay in layouts]),
+                               strict=True):
+        assert verdict.passed, (layout.schedule, verdict.error, verdict.failures)
+        assert len(verdict.verdicts) == 2
