@@ -499,15 +499,17 @@ RESHARD_MODES: tuple[bool | int, ...] = (True, False, 2)
 def distributed_cases(*, world_size: int = 2,
                       engines: tuple[str, ...] = ("ddp", "fsdp", "tp"),
                       model: str | None = None, device: str = "cpu",
-                      model_parallel: bool = False, schedules: tuple[str, ...] | None = None
+                      model_parallel: bool = False, schedules: tuple[str, ...] | None = None,
+                      split: str | None = None
                       ) -> st.SearchStrategy[tuple[Case, Parallel]]:
     """Return a strategy for cases trained on ``world_size`` ranks, with their engine: the
     cases :func:`cases` (or :func:`external_cases` of ``model``) draws, trained one
     forward and one ``loss.backward()`` a step with every parameter training, at least a
     sample a rank; the engine among ``engines`` and, under FSDP2, its reshard mode and
     whether its mixed-precision policy is on (``model_parallel``: the user's set-up shares
-    rows across every rank). Shrinks towards the first engine, resharding after forward,
-    full precision and the cheapest case."""
+    rows across every rank; ``split``: the function that cuts ``model`` into pipeline
+    stages, without which its pipeline is DDP). Shrinks towards the first engine,
+    resharding after forward, full precision and the cheapest case."""
     if world_size < 2:
         raise InvalidArgument(f"world_size={world_size!r}: at least 2 ranks")
     drawn = (external_cases(model, device=device, modes=("backward",)) if model is not None
@@ -536,7 +538,8 @@ def distributed_cases(*, world_size: int = 2,
             name, model_parallel=model_parallel and name == "user", sequence_parallel=split))
 
     def piped() -> st.SearchStrategy[Parallel]:
-        return pipelines(world_size, schedules).map(lambda pipe: Parallel("pp", pipeline=pipe))
+        return pipelines(world_size, schedules).map(
+            lambda pipe: Parallel("pp", pipeline=replace(pipe, split=split)))
 
     def engine_of(name: str) -> st.SearchStrategy[Parallel]:
         if name == "pp":
@@ -570,7 +573,8 @@ def pipelines(world_size: int = 2, schedules: tuple[str, ...] | None = None
 def distributed_runs(*, max_world_size: int = 2,
                      engines: tuple[str, ...] = ("ddp", "fsdp", "tp", "fsdp-tp", "pp"),
                      model: str | None = None, device: str = "cpu",
-                     model_parallel: bool = False, schedules: tuple[str, ...] | None = None
+                     model_parallel: bool = False, schedules: tuple[str, ...] | None = None,
+                     split: str | None = None
                      ) -> st.SearchStrategy[tuple[Case, Parallel, int]]:
     """Return a strategy for a case, its engine and its world size, 2 to ``max_world_size``
     ranks: :func:`distributed_cases` on a world size drawn first, with the engines of
@@ -586,7 +590,8 @@ def distributed_runs(*, max_world_size: int = 2,
     def on(world: int) -> st.SearchStrategy[tuple[Case, Parallel, int]]:
         return distributed_cases(world_size=world, engines=usable(world), model=model,
                                  device=device, model_parallel=model_parallel,
-                                 schedules=schedules).map(lambda drawn: (*drawn, world))
+                                 schedules=schedules, split=split
+                                 ).map(lambda drawn: (*drawn, world))
 
     worlds = [w for w in range(2, max_world_size + 1) if usable(w)]
     if not worlds:
@@ -616,7 +621,8 @@ def _fit_engine(drawn: tuple[Case, Parallel], world_size: int = 2) -> tuple[Case
     if parallel.sequence_parallel and isinstance(case.model, TransformerConfig):
         case = replace(case, model=replace(case.model, norm_position="pre",
                                            running_stats=False, outside_params=False))
-    if parallel.pipeline is not None and not isinstance(case.model, TransformerConfig):
+    if parallel.pipeline is not None and not isinstance(case.model, TransformerConfig) \
+            and parallel.pipeline.split is None:
         parallel = Parallel("ddp")  # the split by layers is the reference transformer's
     if parallel.pipeline is not None:
         case = _fit_pipeline(case, parallel.pipeline, world_size)

@@ -66,6 +66,14 @@ def test_a_split_that_gives_no_such_stages_is_refused_before_any_rank(split: str
         split_stages(prepare(CASE, None, torch.device("cpu")), 2, split)
 
 
+def test_a_split_beside_the_reference_transformer_is_refused() -> None:
+    from gradequiv.harness import find_case
+
+    why = pipeline_refusal(find_case("4L-group2-dropout-untied"),
+                           Pipelining("gpipe", 2, split=SPLIT))
+    assert why is not None and "split by layers" in why
+
+
 def test_rows_that_do_not_divide_into_the_micro_batches_are_refused() -> None:
     why = user_split_refusal(CASE, Pipelining("gpipe", 3, split=SPLIT), 2)
     assert why is not None and "8 rows, with micro_batches=3" in why
@@ -74,6 +82,9 @@ def test_rows_that_do_not_divide_into_the_micro_batches_are_refused() -> None:
 
 @pytest.mark.parametrize(("words", "says"), [
     (["--split", SPLIT], "without --model"),
+    (["--model", "user_models:residual_stack"], "needs --split"),
+    (["--model", "user_models:residual_stack", "--split", "pipeline_models:not_modules"],
+     "returned a function as stage 0"),
     (["--model", "user_models:residual_stack", "--split", SPLIT, "--micro-batches", "3",
       "--case", CASE.to_json()], "8 rows, with micro_batches=3"),
     (["--model", "user_models:residual_stack", "--split", "pipeline_models:one_stage_short",
@@ -128,3 +139,16 @@ def test_torch_checkpoint_passes_every_schedule_on_the_split_user_model() -> Non
                                strict=True):
         assert verdict.passed, (layout.schedule, verdict.error, verdict.failures)
         assert len(verdict.verdicts) == 2
+
+
+@pytest.mark.distributed
+def test_a_drawn_run_with_the_split_fails_the_stack_and_replays_with_split(
+        capsys: pytest.CaptureFixture[str]) -> None:
+    from gradequiv.harness.cli import main
+
+    assert main(["distributed", "--impl", "pipeline_impls:stage_stack_checkpoint",
+                 "--wrapper", "pp", "--model", "user_models:residual_stack", "--split", SPLIT,
+                 "--schedule", "1f1b", "--examples", "4"]) == 1
+    out = capsys.readouterr().out
+    assert "split by pipeline_models:residual_stack_split" in out
+    assert f"--split {SPLIT}" in out.split("reproduce: ")[1]

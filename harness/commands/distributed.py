@@ -19,6 +19,7 @@ as a failed verdict, not a stuck CI job.
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import os
 import pickle
@@ -445,7 +446,8 @@ class _Failed(Exception):
 def search(pools: RankPools, *, max_world_size: int, engines: tuple[str, ...],
            model: str | None, examples: int, seed: int, say: Callable[[str], None],
            seen: Callable[[Found, bool], None] | None = None, model_parallel: bool = False,
-           schedules: tuple[str, ...] | None = None) -> tuple[int, Found | None]:
+           schedules: tuple[str, ...] | None = None, split: str | None = None
+           ) -> tuple[int, Found | None]:
     """Draw ``examples`` cases with their engine and world size
     (:func:`~gradequiv.properties.strategies.distributed_runs`) and run each on its ranks;
     shrink a failure (at most :data:`SHRINK_TRIES` more cases), towards the fewest ranks.
@@ -466,12 +468,15 @@ def search(pools: RankPools, *, max_world_size: int, engines: tuple[str, ...],
     @seeded(seed)
     @given(drawn=distributed_runs(max_world_size=max_world_size, engines=engines,
                                   model=model, device=pools.device,
-                                  model_parallel=model_parallel, schedules=schedules))
+                                  model_parallel=model_parallel, schedules=schedules,
+                                  split=split))
     def one(drawn: tuple[Case, Parallel, int]) -> None:
         case, parallel, world = drawn
         shrinking = ran[1] > 0
         if case_refusal(case, world) or shrinking and ran[1] > SHRINK_TRIES:
             reject()
+        if split is not None and _pipeline_refusal(case, parallel, world):
+            reject()  # a layout the user's batch does not divide into (checked up front)
         verdict = pools.run(case, parallel, world)
         on = f" on {world} ranks" if max_world_size > 2 else ""
         if verdict.unrunnable is not None:  # no verdict: a case the engine cannot train
@@ -601,7 +606,8 @@ def run(args: Any) -> int:
                                     model=args.model, examples=args.examples, seed=args.seed,
                                     say=lambda line: print(line, flush=True), seen=seen,
                                     model_parallel=args.model_parallel,
-                                    schedules=(args.schedule,) if args.schedule else None)
+                                    schedules=(args.schedule,) if args.schedule else None,
+                                    split=args.split)
         diagnosis = None
         if found is None:
             print(f"{ran} case(s) verified on every rank\nverdict: pass")
@@ -652,6 +658,11 @@ def _check_split(args: Any, engines: tuple[str, ...]) -> None:
     refused without either, before any rank starts."""
     split = getattr(args, "split", None)
     if split is None:
+        if engines == ("pp",) and args.model is not None:
+            raise InvalidArgument(f"--wrapper pp with --model {args.model} needs --split "
+                                  f"MODULE:FUNCTION: the split by layers is the reference "
+                                  f"transformer's; name your function (model, n_stages) -> "
+                                  f"list of n_stages nn.Modules")
         return
     if args.model is None and args.case is None:
         raise InvalidArgument(f"--split={split!r} without --model: a split function cuts "
@@ -660,9 +671,16 @@ def _check_split(args: Any, engines: tuple[str, ...]) -> None:
     if "pp" not in engines:
         raise InvalidArgument(f"--split={split!r} with --wrapper {args.wrapper}: the split "
                               f"is a pipeline's stages; use --wrapper pp")
-    from gradequiv.harness.engine.pipeline import load_split
+    from gradequiv.harness.engine.pipeline import load_split, user_split_refusal
+    from gradequiv.models import ExternalConfig
 
     load_split(split)
+    if args.case is None:  # drawn cases: the split and the batch seen once, on two ranks
+        drawn = Case(model=ExternalConfig(args.model))
+        layout = _pipelining(argparse.Namespace(**{**vars(args), "world_size": 2}))
+        why = user_split_refusal(drawn, layout, 2)
+        if why:
+            raise InvalidArgument(f"--split under {layout.describe()} on 2 ranks: {why}")
 
 
 def _pipelining(args: Any) -> Any:

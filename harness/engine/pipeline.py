@@ -64,6 +64,9 @@ def pipeline_refusal(case: Case, pipelining: Pipelining | None = None,
     why = _model_refusal(model) or _training_refusal(case)
     if why or pipelining is None:
         return why
+    if pipelining.split is not None:
+        return (f"--split={pipelining.split!r} with the reference transformer: it is split "
+                f"by layers; --split cuts a --model's stages, so leave it out")
     units = _unit_count(case)
     n = pipelining.n_stages(world_size)
     if n > units:
