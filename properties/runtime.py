@@ -261,8 +261,10 @@ class SuiteState:
         """Whether ``test`` may try one more new case while shrinking (counted if so)."""
         tries = self._shrinks.setdefault(test, [0, time.monotonic()])
         budget = self.options.shrink_budget
+        # >=: a budget of 0 allows no try, even where the clock has not moved since the
+        # test's first shrink (a coarse monotonic clock reads the same twice)
         if tries[0] >= SHRINK_TRIES or (budget is not None
-                                        and time.monotonic() - tries[1] > budget):
+                                        and time.monotonic() - tries[1] >= budget):
             return False
         tries[0] += 1
         return True

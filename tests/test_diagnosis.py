@@ -73,7 +73,8 @@ def diagnosed(spec: str | Implementation, name: str | Case) -> tuple[str, str, d
     (FAULTS + "no_op", "1L-layer-dropout", "no-memory-saved", "no memory was saved"),
     (FAULTS + "recomputed_kept", "1L-layer-dropout", "leak", "past backward"),
     ("wrong_impls:wrong_from_second_step", "1L-layer-dropout", "later-step", "step 2"),
-    (FAULTS + "grad_via_backward", "2L-layer-autograd-grad-dropout", "grad-touched", ".grad"),
+    (FAULTS + "grad_via_backward", "2L-layer-autograd-grad-dropout", "grad-touched",
+     '`gradequiv_unsupported = ("autograd-grad",)`'),  # the declaration that settles it
     (FAULTS + "grad_mode_forced_on", "2L-layer-frozen-first-layer", "grad-mode-ignored",
      "under no_grad"),
     (FAULTS + "stash_kept_after_warmup", "1L-layer-dropout", "leak", "past backward"),

@@ -287,7 +287,11 @@ def _cause(failure: dict[str, Any], record: dict[str, Any] | None,
         if "changed .grad" in text:
             return "grad-touched", (
                 "torch.autograd.grad wrote into .grad: the recompute runs backward inside "
-                "backward instead of returning its gradients")
+                "backward instead of returning its gradients; return them from the "
+                "Function's backward (torch.autograd.grad inside it, not .backward()), or, "
+                "if your training never calls torch.autograd.grad, declare "
+                "`gradequiv_unsupported = (\"autograd-grad\",)` on the callable and those "
+                "cases are skipped")
     inputs = [t for t in texts.get("gradients", []) if t.startswith("grad of input ")]
     if inputs and failure.get("first_diverging_op") is None:
         return "input-grads-dropped", (
