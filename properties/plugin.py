@@ -29,7 +29,7 @@ import pytest
 from gradequiv.harness.errors import InvalidArgument
 from gradequiv.harness.options import CheckOptions, SuiteRun, check_options
 from gradequiv.properties import runtime
-from gradequiv.properties.runtime import CASE_KEY, FAILURE_KEY
+from gradequiv.properties.runtime import CASE_KEY, FAILURE_KEY, NOT_APPLICABLE_SKIP
 
 _OPTIONS: list[tuple[str, str, dict[str, Any]]] = [
     ("impl", "implementation SPEC: torch, torch-reentrant, an entry point, or module:attr", {}),
@@ -444,6 +444,8 @@ class _Gatherer:
         self.records: dict[str, dict[str, Any]] = {}
         self.failures: list[dict[str, Any]] = []
         self.outcomes: dict[str, str] = {}
+        #: test -> its case and torch's refusal, where the outcome is "not applicable"
+        self.not_applicable: dict[str, str] = {}
         self.errors: dict[str, str] = {}  # tests that failed without a property failure
         self.case_files: dict[str, str] = {}  # reproduce -> its case file
         self.collected = False
@@ -494,6 +496,7 @@ class _Gatherer:
         if "test_recompute.py::" not in report.nodeid:
             return
         self.collected = True  # under xdist the controller collects nothing itself
+        from gradequiv.harness.reports.report import NOT_APPLICABLE
         from gradequiv.harness.reports.text import bounded, bounded_texts
 
         test = report.nodeid.split("::")[-1]
@@ -512,7 +515,11 @@ class _Gatherer:
         if report.failed and not found:  # no verdict to show: say why it failed
             self.errors[test] = bounded(_why_failed(str(report.longrepr)) or report.outcome)
         if report.when == "call" or report.failed:
-            self.outcomes[test] = report.outcome
+            reason = _skip_reason(report) if report.skipped else ""
+            refused = NOT_APPLICABLE_SKIP in reason
+            self.outcomes[test] = NOT_APPLICABLE if refused else report.outcome
+            if refused:
+                self.not_applicable[test] = bounded(reason.removeprefix("Skipped: "))
         if report.when == "teardown":
             self._write_when_due()  # a kill from here on keeps what finished
 
@@ -540,7 +547,11 @@ class _Gatherer:
     def pytest_terminal_summary(self, terminalreporter: Any) -> None:
         if not self.outcomes:
             return
-        from gradequiv.harness.reports.report import distinct_cases
+        from gradequiv.harness.reports.report import (
+            NOT_APPLICABLE,
+            PASSING_OUTCOMES,
+            distinct_cases,
+        )
         from gradequiv.harness.reports.terminal import headline_lines, summary_lines
 
         write = terminalreporter.write_line
@@ -549,13 +560,18 @@ class _Gatherer:
         failing = sum(r["verdict"] == "fail" for r in kept)
         passed = sum(o == "passed" for o in self.outcomes.values())
         tried = f" (and {shrunk} more tried while shrinking)" if shrunk else ""
+        refused = sum(o == NOT_APPLICABLE for o in self.outcomes.values())
+        also = f", {refused} not applicable (torch's own checkpoint refused them by design)" \
+            if refused else ""
         write(f"{len(kept)} case(s) verified{tried}, {failing} failing; "
-              f"{passed} of {len(self.outcomes)} property tests passed")
+              f"{passed} of {len(self.outcomes)} property tests passed{also}")
+        for test, reason in sorted(self.not_applicable.items()):
+            write(f"not applicable: {test}: {reason}")
         from gradequiv.harness.engine.global_state import pinned_lines
 
         for line in pinned_lines(runtime.RUN.pinned):
             write(f"note: torch's {line}")
-        failed = self.failures or any(o != "passed" for o in self.outcomes.values())
+        failed = self.failures or any(o not in PASSING_OUTCOMES for o in self.outcomes.values())
         for line in [*headline_lines(self.failures), *summary_lines(self.failures,
                                                                   self.errors)]:
             write(line)
@@ -585,7 +601,8 @@ class _Gatherer:
         report = assemble_check_report(
             options=run.options, impl=impl, device=run.device(),
             records=list(self.records.values()), outcomes=self.outcomes,
-            failures=self.failures, complete=complete, run=run.identity)
+            failures=self.failures, complete=complete, run=run.identity,
+            not_applicable=self.not_applicable)
         if run.pinned:
             from gradequiv.harness.engine.global_state import pinned_lines
 
@@ -594,3 +611,10 @@ class _Gatherer:
         write_json_atomic(run.options.report_dir / REPORT_FILE, report)
         self.written_at = time.monotonic()
         self.write_cost = self.written_at - started
+
+
+def _skip_reason(report: Any) -> str:
+    """The reason a skipped test's report gives (pytest keeps it as (path, line, reason))."""
+    longrepr = report.longrepr
+    return str(longrepr[2]) if isinstance(longrepr, tuple) and len(longrepr) == 3 \
+        else str(longrepr)

@@ -23,6 +23,10 @@ if TYPE_CHECKING:  # torch stays unimported until a test runs
 #: user_properties keys that carry verdicts and failures from a test (or an xdist worker).
 CASE_KEY = "gradequiv_case"
 FAILURE_KEY = "gradequiv_failure"
+#: What the skip of a case torch's own checkpoint refused by design says after the case:
+#: the plugin reads it as the outcome "not applicable", which a pass allows.
+NOT_APPLICABLE_SKIP = ": not applicable: "
+
 #: New cases a test may try while shrinking its failure: a typical fault's minimal case is
 #: reached in about 25, and the bound keeps a failing run's cost independent of the
 #: machine's speed (``--shrink-budget`` adds a limit in seconds).
@@ -253,9 +257,12 @@ class SuiteState:
 
     def close(self) -> None:
         """The run uses its fresh processes no more (their server outlives it, for the next
-        suite of this process, until the process exits)."""
+        suite of this process, until the process exits); nothing of the run listens to
+        its cache any more (a progress line of a run that ended wrote to a closed
+        terminal when another run in this process verified a case)."""
         self.cache.drop_ahead()
         self.cache.fresh = None
+        self.cache.on_verdict = self.cache.on_start = None
 
     def may_shrink(self, test: str) -> bool:
         """Whether ``test`` may try one more new case while shrinking (counted if so)."""

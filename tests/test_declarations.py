@@ -172,3 +172,38 @@ def test_a_declaration_without_a_refusal_behind_it_is_caught() -> None:
     refuses it is false, and the check above says so."""
     assert _not_refused_loudly(resolve("torch"), "autograd-grad") == [
         "2L-layer-autograd-grad-dropout"]
+
+
+def test_torch_s_own_refusal_by_design_is_not_applicable_and_the_check_passes(
+        tmp_path: Any, capfd: pytest.CaptureFixture[str]) -> None:
+    """A user's checkpoint built on torch's selective checkpoint, no declaration: the cases
+    torch refuses by design (a second backward pass) are not applicable, named with torch's
+    message, and the gate passes (issue 50)."""
+    import json
+
+    code = main(["check", "--impl", "correct_impls:user_selective_checkpoint",
+                 "--report-dir", str(tmp_path)])
+    out = capfd.readouterr().out
+    assert code == 0, out
+    report = json.loads((tmp_path / "report.json").read_text())
+    refused = report["not_applicable"]
+    assert "test_named_case[2L-layer-two-losses-dropout]" in refused
+    assert all("Trying to backward an extra time" in reason or "has been mutated" in reason
+               for reason in refused.values()), refused
+    assert {report["tests"][test] for test in refused} == {"not applicable"}
+    assert "not applicable: test_named_case[2L-layer-two-losses-dropout]" in out
+
+
+def _raises_torch_s_words(fn: Any, *args: Any, **kwargs: Any) -> Any:
+    raise RuntimeError("Trying to backward an extra time. (the user's own words)")
+
+
+def test_the_same_refusal_from_the_user_s_code_still_fails() -> None:
+    from gradequiv.harness.errors import torch_refusal
+
+    verdict = verify(Implementation("own", _raises_torch_s_words), find_case("1L-layer-dropout"))
+    assert not verdict.passed and verdict.not_applicable == ""
+    assert torch_refusal(verdict.error or "") == ""
+    sac = verify(resolve("correct_impls:user_selective_checkpoint"),
+                 find_case("2L-layer-two-losses-dropout"))
+    assert sac.passed and "second backward pass" in sac.not_applicable

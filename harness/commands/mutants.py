@@ -21,6 +21,7 @@ from gradequiv.harness.implementations.faults import MUTANTS, Mutant
 from gradequiv.harness.options import SuiteRun, check_options
 from gradequiv.harness.reports.files import write_json_atomic, write_text_atomic
 from gradequiv.harness.reports.markdown import mutants_markdown
+from gradequiv.harness.reports.report import PASSING_OUTCOMES
 from gradequiv.harness.reports.tables import mutants_summary
 from gradequiv.models import DRAWN_MODELS
 from gradequiv.models.kinds import TRANSFORMER
@@ -66,7 +67,8 @@ def run_suite(spec: str, models: tuple[str, ...], *, seed: int, examples: int,
 
 
 def _first_failure(report: dict[str, Any]) -> tuple[str, int]:
-    failing = [name for name, outcome in report.get("tests", {}).items() if outcome != "passed"]
+    failing = [name for name, outcome in report.get("tests", {}).items()
+               if outcome not in PASSING_OUTCOMES]
     cases = report.get("cases", [])
     first = next((i for i, c in enumerate(cases, start=1) if c["verdict"] == "fail"), len(cases))
     return (failing[0] if failing else ""), first

@@ -60,7 +60,7 @@ from gradequiv.harness.engine.parallel import RankSetup
 from gradequiv.harness.engine.rng_story import rng_stories
 from gradequiv.harness.engine.runner import PathRun, StepRecord, run_path
 from gradequiv.harness.engine.staged import run_staged
-from gradequiv.harness.errors import exception_line
+from gradequiv.harness.errors import exception_line, torch_refusal
 from gradequiv.harness.implementations.adapters import Implementation
 from gradequiv.harness.implementations.compiled import FLOOR, REFERENCE, CompileSpec
 from gradequiv.harness.implementations.resolve import resolve
@@ -168,6 +168,13 @@ def negligible(check: TensorCheck, total: float) -> bool:
     return check.rel_error * check.scale < check.bound * total
 
 
+def _not_applicable(verdict: Verdict, why: str) -> Verdict:
+    verdict.not_applicable = why
+    verdict.properties = [PropertyResult(name, None, f"not applicable: {why}")
+                          for name in PROPERTIES]
+    return verdict
+
+
 def severity(check: TensorCheck) -> float:
     """How far past (or near) its bound a check is."""
     if check.bound:
@@ -190,6 +197,9 @@ class Verdict:
     floor_measured: bool = True  # False: the floor path was not needed for this verdict
     memory_watched: bool = True  # False: the recompute property was not checked
     first_step_only: bool = False  # True: rng and trajectory were not checked
+    #: why the case does not apply, where torch's own checkpoint refused it loudly and by
+    #: design ("": it applies): no property checked, no failure, never counted as a pass
+    not_applicable: str = ""
 
     @property
     def passed(self) -> bool:
@@ -318,11 +328,12 @@ def verify(
         # Only where the write moved the saved tensor's version counter: one through an
         # alias that does not (a bias-free Linear's _unsafe_view) goes unseen and is checked
         # like any other case (pytorch/pytorch#113737, #119590).
-        verdict.properties = [PropertyResult(
-            name, None, f"not applicable: a loud refusal: torch's selective checkpoint "
-            f"raised \"{SAC_REFUSES_MUTATION}\" (an in-place op wrote into an output its "
-            f"policy saved), no wrong gradient") for name in PROPERTIES]
-        return verdict
+        return _not_applicable(verdict, (
+            f"a loud refusal: torch's selective checkpoint raised \"{SAC_REFUSES_MUTATION}\" "
+            f"(an in-place op wrote into an output its policy saved), no wrong gradient"))
+    refusal = torch_refusal(recompute.error or "")
+    if refusal:
+        return _not_applicable(verdict, f"a loud refusal: {refusal}")
     if recompute.error is not None:
         verdict.error, verdict.error_at = recompute.error, recompute.error_at
         verdict.properties = [

@@ -231,6 +231,7 @@ def assemble_check_report(
     complete: bool,
     run: dict[str, Any] | None = None,
     command: str = "check",
+    not_applicable: dict[str, str] | None = None,
 ) -> dict[str, Any]:
     """report.json of a check run, whole: the one place its verdict and failure are decided.
     ``command``: the command whose run it is (``distributed`` writes its own the same way).
@@ -266,9 +267,16 @@ def assemble_check_report(
         "failure": _headline_failure(failures, failed, by_reproduce),
         "faults": distinct_faults(failures),
         "tests": dict(sorted(outcomes.items())),
+        "not_applicable": dict(sorted((not_applicable or {}).items())),
         "minimal_failures": failures,
         "statistics": _statistics(records),
     })
+
+
+#: A property test's outcome a pass allows: passed, or not applicable (torch's own
+#: checkpoint refused the case loudly and by design: ``Verdict.not_applicable``).
+NOT_APPLICABLE = "not applicable"
+PASSING_OUTCOMES = ("passed", NOT_APPLICABLE)
 
 
 def _why_not_a_pass(cases: list[dict[str, Any]], failures: list[dict[str, Any]],
@@ -291,7 +299,7 @@ def _why_not_a_pass(cases: list[dict[str, Any]], failures: list[dict[str, Any]],
     if not outcomes:
         return "tests={} (no property test ended)"
     for name, outcome in sorted(outcomes.items()):
-        if outcome != "passed":
+        if outcome not in PASSING_OUTCOMES:
             return f"tests[{name!r}]={outcome!r}"
     return None
 
