@@ -515,7 +515,7 @@ class _Gatherer:
         if report.failed and not found:  # no verdict to show: say why it failed
             self.errors[test] = bounded(_why_failed(str(report.longrepr)) or report.outcome)
         if report.when == "call" or report.failed:
-            reason = _skip_reason(report) if report.skipped else ""
+            reason = _skip_reason(report) if report.outcome == "skipped" else ""
             refused = NOT_APPLICABLE_SKIP in reason
             self.outcomes[test] = NOT_APPLICABLE if refused else report.outcome
             if refused:
