@@ -201,7 +201,8 @@ class Ahead:
                 pending = self.processes.start(impl, case, device, **options)
                 with self.changed:
                     self.running = pending
-                    if self.stopped:
+                    if self.stopped:  # stopped while it started: this thread ends it
+                        self.processes.cancel(pending)
                         return
                 found: tuple[bool, Any] = (False, self.processes.result(pending))
             except FreshProcessEnded as ended:
@@ -230,12 +231,14 @@ class Ahead:
         return found
 
     def stop(self) -> None:
-        """End the child running and start no other; wait for the thread."""
+        """End the child running and start no other; wait for the thread. The child is
+        killed, never its pipe closed here: the thread reading it closes its own end (two
+        threads closing one descriptor close whatever took its number in between)."""
         with self.changed:
             self.stopped = True
             running = self.running
-        if running is not None:
-            self.processes.cancel(running)
+            if running is not None and running.child.is_alive():
+                running.child.kill()  # the thread's read ends at once, without a word
         self.thread.join(10.0)
 
 
