@@ -492,6 +492,13 @@ class _Gatherer:
     def pytest_collection_modifyitems(self, items: list[pytest.Item]) -> None:
         self.collected = any("test_recompute.py::" in item.nodeid for item in items)
 
+    def pytest_collection_finish(self, session: pytest.Session) -> None:
+        """Only the named cases whose tests were selected (``-k``, a node id) are verified
+        ahead: the others would be asked for by no test."""
+        chosen = {getattr(getattr(item, "callspec", None), "params", {}).get("name")
+                  for item in session.items if "::test_named_case[" in item.nodeid}
+        runtime.RUN.named = [case for case in runtime.RUN.named if case.name in chosen]
+
     def pytest_runtest_logreport(self, report: pytest.TestReport) -> None:
         if "test_recompute.py::" not in report.nodeid:
             return
