@@ -16,7 +16,7 @@ from hypothesis import currently_in_test_context, event, reject, target
 
 from gradequiv.harness import Case, Implementation, Verdict, verify
 from gradequiv.harness.engine.verify import verify_without_autocast_cache
-from gradequiv.harness.reports.diagnosis import MEMORY_FINDINGS, divergence_cause
+from gradequiv.harness.reports.diagnosis import MEMORY_FINDINGS, divergence_cause, state_name
 from gradequiv.harness.reports.report import (
     SHRINK_KEY,
     pytest_reproduce_command,
@@ -267,14 +267,9 @@ def _beside_torch(impl: Implementation, case: Case,
     if passed:
         return {"verdict": "passes"}
     theirs = [line for line in there if line.startswith(_STATE_LINES)]
-    if {_state_name(line) for line in named} & {_state_name(line) for line in theirs}:
+    if {state_name(line) for line in named} & {state_name(line) for line in theirs}:
         return {"verdict": "same"}
     return {"verdict": "other", "state": theirs[0] if theirs else ""}
-
-
-def _state_name(line: str) -> str:
-    """The qualified name a localisation's line on the model's side begins with."""
-    return line.partition(": ")[2].partition(" (")[0]
 
 
 #: A named case's localisation where only memory figures differ (``locate``).

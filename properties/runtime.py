@@ -120,10 +120,7 @@ class VerdictCache:
             return self._probes[key][kind], False
         if self.on_start is not None:
             self.on_start(impl, case, device)
-        options = {"tolerance": RUN.tolerance(case), "floor_when_needed": True,
-                   "watch_memory": kind is None,
-                   "always_floor": RUN.options.deterministic and kind is None,
-                   "first_step_only": kind == "first step"}
+        options = _verify_options(case, kind)
         if self.fresh is not None and case.name and kind is None and portable(impl, case):
             verdict = self._fresh(impl, case, device, options, key)
         else:
@@ -172,9 +169,7 @@ class VerdictCache:
         self.drop_ahead()
         self._ahead = Ahead(self.fresh, [
             ((implementation_key(impl), case.to_json(), str(device)), impl, case, device,
-             {"tolerance": RUN.tolerance(case), "floor_when_needed": True,
-              "watch_memory": True, "always_floor": RUN.options.deterministic,
-              "first_step_only": False})
+             _verify_options(case, None))
             for case in cases if portable(impl, case)])
 
     def drop_ahead(self) -> None:
@@ -190,6 +185,15 @@ class VerdictCache:
         self.located.clear()
         self.replayed.clear()
         self.fresh_only.clear()
+
+
+def _verify_options(case: Case, kind: str | None) -> dict[str, Any]:
+    """``verify``'s options for ``case``: a whole verdict (``kind`` None) or a shrink try's
+    (``PROBES``)."""
+    return {"tolerance": RUN.tolerance(case), "floor_when_needed": True,
+            "watch_memory": kind is None,
+            "always_floor": RUN.options.deterministic and kind is None,
+            "first_step_only": kind == "first step"}
 
 
 class SuiteState:

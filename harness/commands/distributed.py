@@ -24,7 +24,6 @@ import contextlib
 import os
 import pickle
 import signal
-import sys
 import tempfile
 import time
 import traceback
@@ -173,23 +172,12 @@ def case_refusal(case: Case, world_size: int) -> str:
 
 def load_parallelize(spec: str) -> Callable[[Any, Any], Any]:
     """The user's ``parallelize(model, mesh) -> model`` named by ``module:function``."""
-    import pkgutil
+    from gradequiv.harness.implementations.resolve import user_function
 
     if ":" not in spec:
         raise InvalidArgument(f"--parallelize={spec!r} is not a 'module:function' reference; "
                               f"write e.g. 'my_models:parallelize'")
-    if os.getcwd() not in sys.path:  # the module may live in the current directory
-        sys.path.insert(0, os.getcwd())
-    try:
-        function = pkgutil.resolve_name(spec)
-    except Exception as exc:
-        raise InvalidArgument(f"--parallelize={spec!r} could not be imported: "
-                              f"{type(exc).__name__}: {exc}; check that the module is on "
-                              f"PYTHONPATH or in the current directory") from exc
-    if not callable(function):
-        raise InvalidArgument(f"--parallelize={spec!r} is a {type(function).__name__}, not a "
-                              f"function (model, mesh) -> model")
-    return function  # type: ignore[no-any-return]
+    return user_function("--parallelize", spec, "function (model, mesh) -> model")
 
 
 class RankPool:

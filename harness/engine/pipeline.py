@@ -165,22 +165,9 @@ def _rows_refusal(path: PreparedPath, pipelining: Pipelining) -> str | None:
 
 def load_split(spec: str) -> Callable[[nn.Module, int], Any]:
     """The user's ``split(model, n_stages) -> [stage, ...]`` named by ``module:function``."""
-    import os
-    import pkgutil
-    import sys
+    from gradequiv.harness.implementations.resolve import user_function
 
-    if os.getcwd() not in sys.path:  # the module may live in the current directory
-        sys.path.insert(0, os.getcwd())
-    try:
-        function = pkgutil.resolve_name(spec)
-    except Exception as exc:
-        raise InvalidArgument(f"--split={spec!r} could not be imported: "
-                              f"{type(exc).__name__}: {exc}; check that the module is on "
-                              f"PYTHONPATH or in the current directory") from exc
-    if not callable(function):
-        raise InvalidArgument(f"--split={spec!r} is a {type(function).__name__}, not a "
-                              f"function (model, n_stages) -> list of nn.Modules")
-    return function  # type: ignore[no-any-return]
+    return user_function("--split", spec, "function (model, n_stages) -> list of nn.Modules")
 
 
 def _model_refusal(model: TransformerConfig) -> str | None:
@@ -264,7 +251,22 @@ class _Head(nn.Module):
         return out
 
 
-class Stage(nn.Module):
+class _Placed(nn.Module):
+    """A stage that knows its place in the pipeline: ``index`` of ``count``."""
+
+    index: int
+    count: int
+
+    @property
+    def is_first(self) -> bool:
+        return self.index == 0
+
+    @property
+    def is_last(self) -> bool:
+        return self.index == self.count - 1
+
+
+class Stage(_Placed):
     """One pipeline stage of the reference transformer: its own run of the model's units,
     called under the case's autocast. The first stage takes the tokens, the others the
     previous stage's ``(x, x0)``; the last returns the logits, the others ``(x, x0)``."""
@@ -282,14 +284,6 @@ class Stage(nn.Module):
         # The model's router and call settings, held outside the module tree: a stage's
         # parameters are its own units' only.
         object.__setattr__(self, "_model", model)
-
-    @property
-    def is_first(self) -> bool:
-        return self.index == 0
-
-    @property
-    def is_last(self) -> bool:
-        return self.index == self.count - 1
 
     def forward(self, *args: Tensor, key_padding_mask: Tensor | None = None
                 ) -> Tensor | tuple[Tensor, Tensor]:
@@ -347,7 +341,7 @@ def split_stages(path: PreparedPath, n_stages: int, split: str | None = None
     return stages
 
 
-class UserStage(nn.Module):
+class UserStage(_Placed):
     """One stage of a user's model: the module their split function returned, called under
     the case's autocast. The first takes the model's inputs (its keyword inputs by their
     names, as ``ExternalModel.forward`` hands them), the others the previous stage's output
@@ -359,14 +353,6 @@ class UserStage(nn.Module):
         self.inner = inner
         self.index, self.count = index, count
         self._case, self._device, self._input_keys = case, device, input_keys
-
-    @property
-    def is_first(self) -> bool:
-        return self.index == 0
-
-    @property
-    def is_last(self) -> bool:
-        return self.index == self.count - 1
 
     def forward(self, *args: Any) -> Any:
         with self._case.autocast(self._device):

@@ -48,6 +48,24 @@ BUILTINS: dict[str, tuple[str, str]] = {
 }
 
 
+def user_function(option: str, spec: str, shape: str) -> Callable[..., Any]:
+    """The user's function an option (``--split``, ``--parallelize``) names by
+    ``module:function``, the current directory searched too; ``shape`` says what it must be
+    (``"function (model, mesh) -> model"``) where it is no callable."""
+    if os.getcwd() not in sys.path:  # the module may live in the current directory
+        sys.path.insert(0, os.getcwd())
+    try:
+        function = pkgutil.resolve_name(spec)
+    except Exception as exc:
+        raise InvalidArgument(f"{option}={spec!r} could not be imported: "
+                              f"{type(exc).__name__}: {exc}; check that the module is on "
+                              f"PYTHONPATH or in the current directory") from exc
+    if not callable(function):
+        raise InvalidArgument(f"{option}={spec!r} is a {type(function).__name__}, not a "
+                              f"{shape}")
+    return function  # type: ignore[no-any-return]
+
+
 def builtin_target(spec: str) -> Callable[..., Any]:
     """The callable behind built-in SPEC."""
     module, _, attr = BUILTINS[spec][0].partition(":")

@@ -33,7 +33,7 @@ from gradequiv.harness.implementations.resolve import BUILTINS
 from gradequiv.models.kinds import SCHEDULE_MICRO_BATCHES
 
 __all__ = ["CAUSES", "MEMORY_FINDINGS", "Diagnosis", "diagnose", "distinct_faults",
-           "divergence_cause", "fault_key"]
+           "divergence_cause", "fault_key", "state_name"]
 
 #: Every cause a diagnosis can name.
 CAUSES = ("raised", "output-structure", "refuses-autograd-grad", "refuses-pattern",
@@ -519,8 +519,8 @@ def _checkpoint_s(failure: dict[str, Any], what: str,
     evidence = ("torch's own checkpoint passes this case (run beside it), so the fault is "
                 "the checkpoint's" if beside["verdict"] == "passes" else
                 f"torch's own checkpoint fails this case too, but on other state "
-                f"({_state_name(beside.get('state', ''))}), so this state is the "
-                f"checkpoint's doing")
+                f"({state_name(beside.get('state', '')) or 'state the search did not name'}), "
+                f"so this state is the checkpoint's doing")
     fix = next((fix for words, fix in _CARRY if words in what), _CARRY[-1][1])
     return "state-not-carried", (f"the checkpoint does not give the re-run the state its "
                                  f"forward ran with: {because}{what}; {evidence}; {fix}")
@@ -553,9 +553,9 @@ def _telling(line: str) -> bool:
     return lengths is None or int(lengths[2]) < int(lengths[1])
 
 
-def _state_name(line: str) -> str:
+def state_name(line: str) -> str:
     """The qualified name a localisation's line on the model's side begins with."""
-    return line.partition(": ")[2].partition(" (")[0] or "state the search did not name"
+    return line.partition(": ")[2].partition(" (")[0]
 
 
 def _model_sentence(failure: dict[str, Any], cause: str, what: str, raised: str = "") -> str:
