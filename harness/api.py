@@ -221,6 +221,7 @@ def check(
     report_dir: str | os.PathLike[str] | None = None,
     timeout: float | None = None,
     in_process: bool | None = None,
+    regime: Mapping[str, Any] | None = None,
 ) -> Report:
     """Check ``impl`` against full storage, as ``gradequiv check`` does; return the report.
 
@@ -232,7 +233,9 @@ def check(
     :class:`~gradequiv.models.UserModel` (copied for every build), or a SPEC string.
     ``case``: one case to replay (a named case, its JSON, a dict or a ``Case``).
     ``examples``, ``seed``, ``profile`` (default ``"ci"``, as ``check``), ``device``,
-    ``rtol``/``atol``, ``shrink``, ``threads``: as ``check``'s options.
+    ``rtol``/``atol``, ``shrink``, ``threads``: as ``check``'s options. ``regime``: what
+    your training runs, keys as in ``[tool.gradequiv]`` (``{"dtypes": ["bf16-autocast"],
+    "loss-parts": 1}``), on top of that table; only it is drawn.
     ``report_dir``: where the files go (default: a temporary folder; :meth:`Report.write`
     copies them later). ``timeout``: seconds without progress before the run fails
     (default 600; 0 for none); it needs the child process, so an object that must run in
@@ -251,7 +254,7 @@ def check(
         flag=lambda name: name.replace("-", "_"), impl=impl_spec, impl_kwargs=kwargs_given,
         adapter=adapter, seed=seed, examples=examples, profile=profile, device=device,
         report_dir=report_dir, case=_case_text(case), rtol=rtol, atol=atol, shrink=shrink,
-        model=model_spec, threads=threads)
+        model=model_spec, threads=threads, regime=regime)
     if adapter is not None and adapter not in ADAPTERS:  # check_options has said so already
         raise InvalidArgument(f"adapter={adapter!r} is not one of {', '.join(ADAPTERS)}")
     if timeout is not None and (not isinstance(timeout, (int, float)) or timeout < 0):
@@ -397,6 +400,8 @@ def _argv(options: CheckOptions, timeout: float) -> list[str]:
             argv += [flag, str(value)]
     for item in options.impl_kwargs:
         argv += ["--impl-kwarg", item]
+    for item in options.regime.entries():  # the child reads the same pyproject.toml first
+        argv += ["--regime", item]
     if not options.shrink:
         argv.append("--no-shrink")
     return argv

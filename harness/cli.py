@@ -110,6 +110,12 @@ def build_parser() -> argparse.ArgumentParser:
                        help="seed of the drawn cases, added to the named cases' seeds "
                             "(default 0)")
     check.add_argument("--device", choices=DEVICES, default="auto")
+    check.add_argument("--regime", action="append", default=[], metavar="KEY=VALUE",
+                       help="what your training runs, so that only it is drawn (repeatable; "
+                            "each replaces that key of pyproject.toml's [tool.gradequiv]): "
+                            "dtypes=bf16-autocast, backward=outside-autocast, loss-parts=1, "
+                            "grad-modes=..., schedules=..., pipeline-schedules=..., "
+                            "micro-batches=N")
     check.add_argument("--threads", default=None, metavar="N|auto",
                        help="torch's intra-op threads for the run (default 1, or "
                             "GRADEQUIV_THREADS): more only slows the suite's tiny tensors, "
@@ -378,7 +384,7 @@ def options_from_args(args: argparse.Namespace) -> CheckOptions:
         report_dir=args.report_dir, case=args.case, rtol=args.rtol, atol=args.atol,
         shrink=not args.no_shrink, shrink_budget=args.shrink_budget,
         shard=args.shard or (1, 1), model=args.model, deterministic=args.deterministic,
-        threads=validate.threads_given(args.threads))
+        threads=validate.threads_given(args.threads), regime=args.regime)
 
 
 @contextlib.contextmanager

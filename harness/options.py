@@ -19,6 +19,7 @@ from typing import Any
 
 from gradequiv.harness import validate
 from gradequiv.harness.errors import InvalidArgument
+from gradequiv.harness.regime import Regime, stated_regime
 from gradequiv.models.kinds import DRAWN_MODELS, TRANSFORMER  # torch-free, as options must be
 
 __all__ = [
@@ -66,6 +67,8 @@ class CheckOptions:
     #: torch's intra-op threads for the run (None: torch's default). One: the suite's tiny
     #: tensors gain nothing from more, and lose much beside other jobs on the same cores.
     threads: int | None = 1
+    #: what the user's training runs (``harness/regime.py``): cases are drawn within it
+    regime: Regime = field(default_factory=Regime)
     kwargs: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)
 
     @property
@@ -124,11 +127,15 @@ def check_options(
     model: str | None = None,
     deterministic: Any = False,
     threads: Any = 1,
+    regime: Any = None,
+    read_pyproject: bool = True,
 ) -> CheckOptions:
     """Validate raw option values (strings from a command line, or typed) into the options.
 
     ``flag`` names an option in messages (``--seed`` for the command line,
-    ``--gradequiv-seed`` for the plugin). Raises :class:`InvalidArgument`.
+    ``--gradequiv-seed`` for the plugin). ``regime``: what ``--regime`` gave (or the API's
+    mapping), on top of ``[tool.gradequiv]`` of the nearest pyproject.toml where
+    ``read_pyproject``. Raises :class:`InvalidArgument`.
     """
     if isinstance(impl_kwargs, str):
         impl_kwargs = impl_kwargs.split()
@@ -160,6 +167,7 @@ def check_options(
         model=model,
         deterministic=validate.boolean(flag("deterministic"), deterministic),
         threads=validate.threads(flag("threads"), threads),
+        regime=stated_regime(regime, flag=flag("regime"), read_pyproject=read_pyproject),
         kwargs=validate.impl_kwargs(kwargs_given, name=flag("impl-kwarg")),
     )
 

@@ -56,6 +56,8 @@ _OPTIONS: list[tuple[str, str, dict[str, Any]]] = [
     ("no-shrink", "report the first failing example as found, without shrinking it",
      {"action": "store_true"}),
     ("shrink-budget", "seconds a test may spend shrinking its failure (default: no limit)", {}),
+    ("regime", "what your training runs, KEY=VALUE (repeatable; on top of pyproject.toml's "
+               "[tool.gradequiv]): only it is drawn", {"action": "append"}),
     ("threads", "torch's intra-op threads while the suite runs: N, or auto for torch's default "
                 "(default 1: more only slow its tiny tensors, badly on a busy machine)", {}),
 ]
@@ -81,7 +83,7 @@ def _setting(config: pytest.Config, name: str) -> Any:
     value = config.getoption(_dest(name))
     if value is None:
         value = os.environ.get("GRADEQUIV_" + name.upper().replace("-", "_"))
-        if value is not None and name == "impl-kwarg":
+        if value is not None and name in ("impl-kwarg", "regime"):
             value = value.split()
     if value is None or value == "" or value == []:
         value = config.getini(_dest(name)) or None
@@ -162,6 +164,7 @@ def _options(config: pytest.Config) -> tuple[CheckOptions, Any, Any]:
         options = check_options(
             flag=lambda name: "--gradequiv-" + name.replace("_", "-"), profile=profile,
             seed=seed, impl_kwargs=_setting(config, "impl-kwarg") or (),
+            regime=_setting(config, "regime") or None,
             shrink=not _setting(config, "no-shrink"),
             deterministic=bool(_setting(config, "deterministic")), **raw)
     except InvalidArgument as exc:
@@ -574,6 +577,8 @@ class _Gatherer:
               f"{passed} of {len(self.outcomes)} property tests passed{also}")
         for test, reason in sorted(self.not_applicable.items()):
             write(f"not applicable: {test}: {reason}")
+        if runtime.RUN.options.regime.stated:
+            write(runtime.RUN.options.regime.describe())
         from gradequiv.harness.engine.global_state import pinned_lines
 
         for line in pinned_lines(runtime.RUN.pinned):

@@ -315,13 +315,18 @@ class SuiteState:
             self.pinned.setdefault(label, value)
 
     def grad_modes(self) -> tuple[str, ...]:
-        """The grad modes to draw: those the named implementation supports, or every one
-        where none is named (a conftest hands the suite its own)."""
-        if self.options.impl is None:
-            from gradequiv.models.kinds import GRAD_MODES
+        """The grad modes to draw: those the named implementation supports (every one where
+        none is named: a conftest hands the suite its own) that the training regime runs."""
+        from gradequiv.models.kinds import GRAD_MODES
 
-            return GRAD_MODES
-        return self.implementation().grad_modes
+        supported = GRAD_MODES if self.options.impl is None else self.implementation().grad_modes
+        return self.options.regime.modes_within(supported)
+
+    def outside_regime(self, case: Any) -> str:
+        """Why ``case`` is not checked: what of it the stated training regime does not run
+        ("" where it does, and where no regime is stated)."""
+        why = self.options.regime.outside(case)
+        return f"outside the training regime: {why}" if why else ""
 
     def declines(self, case: Any) -> str:
         """Why the named implementation is not checked on ``case`` ("" where it is, and

@@ -20,6 +20,7 @@ from gradequiv.harness.engine.parallel import Parallel
 from gradequiv.harness.engine.schedules import PIPELINE_SCHEDULES, Pipelining
 from gradequiv.harness.engine.spread import compile_cases
 from gradequiv.harness.errors import InvalidArgument
+from gradequiv.harness.regime import EVERYTHING, Regime
 from gradequiv.models import (
     DRAWN_MODELS,
     DROPOUT_SITES,
@@ -222,14 +223,19 @@ LONG_SEQ_LEN = 64
 
 
 @_cached
-def dtype_regimes(*, device: str = "cpu") -> st.SearchStrategy[str]:
+def dtype_regimes(*, device: str = "cpu",
+                  dtypes: tuple[str, ...] = DTYPES) -> st.SearchStrategy[str]:
     """Return a strategy for precision regimes: fp32, bf16 and fp16 autocast (a recompute
     must re-enter the caller's autocast dtype, not the device's default), and the model
-    itself in bf16. Every one runs on either device. Shrinks towards fp32.
+    itself in bf16; those among ``dtypes`` only (a stated training regime's). Every one
+    runs on either device. Shrinks towards fp32.
     """
     if device not in ("cpu", "cuda"):
         raise InvalidArgument(f"device={device!r}: must be 'cpu' or 'cuda'")
-    return st.sampled_from(DTYPES)
+    kept = [d for d in DTYPES if d in dtypes]
+    if not kept:
+        raise InvalidArgument(f"dtypes={dtypes!r}: pick one or more of {', '.join(DTYPES)}")
+    return st.sampled_from(kept)
 
 
 @_cached
@@ -260,13 +266,15 @@ def _one_in_four(plain: Any, others: tuple[Any, ...]) -> st.SearchStrategy[Any]:
 @st.composite
 def training_loops(draw: st.DrawFn, *, mode: str = "backward", dtype: str = "fp32",
                    trainable: tuple[str, ...] = TRAINABLE,
-                   schedules: tuple[str, ...] = SCHEDULES) -> dict[str, Any]:
+                   schedules: tuple[str, ...] = SCHEDULES,
+                   regime: Regime = EVERYTHING) -> dict[str, Any]:
     """Return a strategy for how a training loop drives the segments, as ``Case`` fields:
     a micro-batch schedule (GPipe, reversed, 1F1B with four in flight, one backward of the
     summed losses; only where ``mode`` asks for one backward per forward), the loss in
     2 or 3 parts backpropagated in turn (not under a gradient penalty), the backward inside
     autocast, and which parameters train (among ``trainable``). Each is off in three draws
-    of four and shrinks towards off."""
+    of four and shrinks towards off. Within ``regime``: its schedules (every case has one
+    where the regime has no whole-batch step), at most its loss parts, its backward."""
     # Every choice is drawn whatever the others are, and one that cannot be is taken as off:
     # the draws keep their places while shrinking changes what came before them.
     plain = mode in ("backward", "autograd-grad")
@@ -281,6 +289,28 @@ def training_loops(draw: st.DrawFn, *, mode: str = "backward", dtype: str = "fp3
     }
     if not dtype.endswith("-autocast") and dtype != "fp32":
         loop["backward_autocast"] = False  # a bf16 model under bf16 autocast: no new state
+    return _within(regime, loop, plain=plain, dtype=dtype,
+                   schedules=tuple(s for s in SCHEDULES[1:] if s in schedules), draw=draw)
+
+
+def _within(regime: Regime, loop: dict[str, Any], *, plain: bool, dtype: str,
+            schedules: tuple[str, ...], draw: st.DrawFn) -> dict[str, Any]:
+    """``loop`` moved into the stated training regime: a schedule it runs (drawn among them
+    where it has no whole-batch step), no more loss parts than it splits, its backward."""
+    if not regime.stated:
+        return loop
+    stated = tuple(s for s in schedules if s in regime.schedules)
+    if loop["schedule"] not in regime.schedules:
+        loop["schedule"] = "one"
+    if "one" not in regime.schedules and plain and stated:
+        # drawn always, so the draws after it keep their places while shrinking
+        picked = draw(_one_of(stated))
+        loop["schedule"] = loop["schedule"] if loop["schedule"] != "one" else picked
+    loop["backward_passes"] = min(loop["backward_passes"], regime.loss_parts)
+    allowed = regime.backward_autocast()
+    if loop["backward_autocast"] not in allowed and (dtype.endswith("-autocast")
+                                                     or loop["backward_autocast"]):
+        loop["backward_autocast"] = allowed[0] if dtype.endswith("-autocast") else False
     return loop
 
 
@@ -325,13 +355,14 @@ def seeds() -> st.SearchStrategy[int]:
 
 @st.composite
 def batchnorm_cases(draw: st.DrawFn, *, device: str = "cpu",
-                    modes: tuple[str, ...] = GRAD_MODES) -> Case:
+                    modes: tuple[str, ...] = GRAD_MODES, regime: Regime = EVERYTHING) -> Case:
     """Return a strategy for cases of the BatchNorm model (the buffers property's model).
 
     Accumulation is drawn only with 4 samples or more (2 per micro-batch, as BatchNorm
     needs). Shrinks towards one layer, width 8, no dropout, no in-place ops, two samples,
     fp32.
     """
+    modes = regime.modes_within(modes)
     n_layer = draw(_integers(1, 3))
     model = BatchNormConfig(n_layer=n_layer, width=draw(_one_of((8, 16, 32))),
                             dropout=draw(_one_of((0.0, 0.1, 0.3))),
@@ -340,12 +371,12 @@ def batchnorm_cases(draw: st.DrawFn, *, device: str = "cpu",
     batch_size = draw(_integers(2, 8))
     mode = draw(grad_modes(modes))
     mode = mode if mode != "accumulate" or batch_size >= 4 else "backward"
-    dtype = draw(dtype_regimes(device=device))
+    dtype = draw(dtype_regimes(device=device, dtypes=regime.dtypes))
     seed = draw(seeds())
     inference = draw(_BOOLEANS)
     # No schedule: BatchNorm needs 2 samples in each of its micro-batches
     loop = draw(_kept(training_loops, mode=mode, dtype=dtype,
-                      trainable=("frozen-layer", "changing"), schedules=()))
+                      trainable=("frozen-layer", "changing"), schedules=(), regime=regime))
     return Case(model=model, batch=BatchConfig(batch_size=batch_size, seq_len=1),
                 granularity=granularity, dtype=dtype, seed=seed, grad_mode=mode,
                 inference=inference, **loop)
@@ -353,7 +384,8 @@ def batchnorm_cases(draw: st.DrawFn, *, device: str = "cpu",
 
 def external_cases(factory: str, *, device: str = "cpu",
                    modes: tuple[str, ...] = GRAD_MODES,
-                   toggle_chooses: bool = False) -> st.SearchStrategy[Case]:
+                   toggle_chooses: bool = False,
+                   regime: Regime = EVERYTHING) -> st.SearchStrategy[Case]:
     """Return a strategy for cases of a user's model (``--model``): the factory fixes the
     model, its batch and the precision regimes it runs (``UserModel.regimes``); drawn are
     the granularity (every segment, or every 2nd; with
@@ -366,11 +398,10 @@ def external_cases(factory: str, *, device: str = "cpu",
 
     model = ExternalConfig(factory)
     declared = declared_regimes(factory)  # the factory's own list: only those are drawn
-    dtypes = dtype_regimes(device=device) if declared is None else \
-        st.sampled_from([d for d in DTYPES if d in declared] or ["fp32"])
+    dtypes = dtype_regimes(device=device, dtypes=regime.dtypes_within(declared, factory))
     # Not a gradient penalty: a user's model need not be twice differentiable (fused
     # attention kernels have no double backward).
-    modes = tuple(m for m in modes if m != "create-graph")
+    modes = tuple(m for m in regime.modes_within(modes) if m != "create-graph")
     @st.composite
     def one(draw: st.DrawFn) -> Case:
         granularity = draw(_granularity_of(("toggle",) if toggle_chooses
@@ -378,7 +409,8 @@ def external_cases(factory: str, *, device: str = "cpu",
         dtype, seed, mode = draw(dtypes), draw(seeds()), draw(grad_modes(modes))
         inference = draw(_BOOLEANS)
         # the schedules and the loss in parts; which parameters train is the factory's
-        loop = draw(_kept(training_loops, mode=mode, dtype=dtype, trainable=()))
+        loop = draw(_kept(training_loops, mode=mode, dtype=dtype, trainable=(),
+                          regime=regime))
         if not dtype.endswith("-autocast"):  # the model's regimes say what it runs in
             loop["backward_autocast"] = False
         return Case(model=model, granularity=granularity, dtype=dtype, seed=seed,
@@ -387,7 +419,7 @@ def external_cases(factory: str, *, device: str = "cpu",
     return one()
 
 
-def compiled_cases(*, device: str = "cpu") -> st.SearchStrategy[Case]:
+def compiled_cases(*, device: str = "cpu", regime: Regime = EVERYTHING) -> st.SearchStrategy[Case]:
     """Return a strategy for cases of compiled implementations: a model of the compile
     spread (whose graphs are then compiled already), with a drawn precision and seed.
     The precisions are fp32 and bf16 autocast, the two the compiled floor is calibrated
@@ -395,9 +427,21 @@ def compiled_cases(*, device: str = "cpu") -> st.SearchStrategy[Case]:
     """
     if device not in ("cpu", "cuda"):
         raise InvalidArgument(f"device={device!r}: must be 'cpu' or 'cuda'")
+    precisions = [d for d in ("fp32", "bf16-autocast") if d in regime.dtypes]
+    if not precisions:
+        raise InvalidArgument(
+            f"a compiled implementation is checked in fp32 and bf16-autocast, and the training "
+            f"regime ({regime.source}) states dtypes {', '.join(regime.dtypes)}; state one "
+            f"of those two")
+    spread = [c for c in compile_cases() if not regime.outside(replace(c, dtype=precisions[0]))]
+    if not spread:
+        raise InvalidArgument(
+            f"the training regime ({regime.source}) leaves out every case of the compile "
+            f"spread (one batch per step, one backward, gradients by loss.backward()); state "
+            f"schedules=one and grad-modes=backward among what it runs")
     return st.builds(lambda case, dtype, seed: replace(case, dtype=dtype, seed=seed, name=""),
-                     st.sampled_from(compile_cases()),
-                     st.sampled_from(["fp32", "bf16-autocast"]), seeds())
+                     st.sampled_from(spread),
+                     st.sampled_from(precisions), seeds())
 
 
 @st.composite
@@ -411,6 +455,7 @@ def cases(
     max_width: int = 128,
     max_seq_len: int = 32,
     modes: tuple[str, ...] = GRAD_MODES,
+    regime: Regime = EVERYTHING,
     **config_kwargs: Any,
 ) -> Case:
     """Return a strategy for whole cases: model, batch, granularity, dtype, seed, how
@@ -434,9 +479,10 @@ def cases(
         raise InvalidArgument(
             f"models={models!r}: pick one or more of {', '.join(MODELS)}"
         )
+    modes = regime.modes_within(modes)
     kind = draw(_one_of(tuple(models)))
     if kind == BATCHNORM:
-        drawn: Case = draw(_kept(batchnorm_cases, device=device, modes=modes))
+        drawn: Case = draw(_kept(batchnorm_cases, device=device, modes=modes, regime=regime))
         return drawn
     model = draw(_kept(transformer_configs, max_layers=max_layers, max_width=max_width,
                        **config_kwargs))
@@ -452,7 +498,7 @@ def cases(
                         seq_len=draw(_integers(shortest, max(LONG_SEQ_LEN, shortest))))
         model = replace(model, n_layer=min(model.n_layer, 2),
                         max_seq_len=max(model.max_seq_len, batch.seq_len))
-    dtype = draw(dtype_regimes(device=device))
+    dtype = draw(dtype_regimes(device=device, dtypes=regime.dtypes))
     if dtype != "fp32":
         # A weight used twice under a low precision: full storage sums both uses' gradients
         # in that precision on autocast's one cached cast, a recompute that casts per use
@@ -474,7 +520,8 @@ def cases(
         # is no segment of its own and the group's grad mode does not change.
         model = replace(model, frozen_first_layer=draw(_BOOLEANS))
     loop = draw(_kept(training_loops, mode=mode, dtype=dtype, trainable=(
-        "frozen-layer", "changing", *(("adapters",) if model.value_hooks else ()))))
+        "frozen-layer", "changing", *(("adapters",) if model.value_hooks else ())),
+        regime=regime))
     if loop["schedule"] != "one":  # a row for each micro-batch, so that they all differ
         batch = replace(batch, batch_size=max(batch.batch_size,
                                               SCHEDULE_MICRO_BATCHES[loop["schedule"]]))

@@ -43,14 +43,15 @@ def _drawn_cases() -> st.SearchStrategy[Case]:
     if OPTIONS.case is not None:
         return st.just(load_case(OPTIONS.case))
     device = runtime.RUN.device().type
+    regime = OPTIONS.regime  # what the user's training runs: only that is drawn
     if is_compile_spec(OPTIONS.impl):
-        return compiled_cases(device=device)
+        return compiled_cases(device=device, regime=regime)
     modes = runtime.RUN.grad_modes()  # what it declares it does not do is not drawn
     if OPTIONS.model is not None:
         chooses = OPTIONS.impl is not None and runtime.RUN.implementation().chooses_segments
         return external_cases(OPTIONS.model, device=device, modes=modes,
-                              toggle_chooses=chooses)
-    return cases(device=device, models=OPTIONS.models, modes=modes)
+                              toggle_chooses=chooses, regime=regime)
+    return cases(device=device, models=OPTIONS.models, modes=modes, regime=regime)
 
 
 # Shrinking stops after a number of shrinks (MAX_SHRINKS), never after minutes of wall clock
@@ -141,7 +142,8 @@ def _spread() -> list[Case]:
         named = default_cases()
         if BATCHNORM in OPTIONS.models:
             named += [c for c in extra_cases() if c.model_kind == BATCHNORM]
-        return [c for c in named if c.grad_mode in modes and not runtime.RUN.declines(c)]
+        return [c for c in named if c.grad_mode in modes and not runtime.RUN.declines(c)
+                and not runtime.RUN.outside_regime(c)]
     from gradequiv.models import ExternalConfig
 
     model = ExternalConfig(OPTIONS.model)
@@ -150,7 +152,7 @@ def _spread() -> list[Case]:
     # the training loops real code runs, on the factory's own batch and loss
     own += [Case(model=model, name="model-layer-gpipe", schedule="gpipe"),
             Case(model=model, name="model-layer-two-losses", backward_passes=2)]
-    return [c for c in own if not runtime.RUN.declines(c)]
+    return [c for c in own if not runtime.RUN.declines(c) and not runtime.RUN.outside_regime(c)]
 
 
 def _named(name: str) -> Case:

@@ -104,6 +104,8 @@ def _run(options: CheckOptions, observer: Any) -> int:
                                                  case.model_kind != EXTERNAL):
         raise InvalidArgument(TOGGLES_NEEDING_MODEL[impl.spec])
     _refuse_failed_imports(impl, options, case, device)
+    if case is None:
+        _refuse_empty_regime(options, impl)
     Tolerance("fp32", options.rtol, options.atol)
     with contextlib.ExitStack() as stack:
         if options.report_dir is not None:
@@ -157,6 +159,16 @@ def _claim(stack: contextlib.ExitStack, options: CheckOptions, observer: Any) ->
         return
     stack.enter_context(lock_report_dir(options.report_dir, run_identity()))
     claim_report_dir(options.report_dir)
+
+
+def _refuse_empty_regime(options: CheckOptions, impl: Any) -> None:
+    """A stated training regime that leaves nothing to draw is the caller's mistake, said
+    before the suite starts (exit 2), not a suite that breaks off collecting."""
+    options.regime.modes_within(impl.grad_modes)
+    if options.model is not None:
+        from gradequiv.models.external import declared_regimes
+
+        options.regime.dtypes_within(declared_regimes(options.model), options.model)
 
 
 def _short(text: str, limit: int = 80) -> str:
@@ -226,6 +238,8 @@ def _run_suite(options: CheckOptions, impl: Any, device: Any, observer: Any) -> 
     threads = f"{count} thread{'s' if count != 1 else ''} (--threads {options.threads or 'auto'})"
     print(f"gradequiv check: {impl.spec} ({impl.adapter}) on {device}, torch "
           f"{torch.__version__}, {threads}{shard}", flush=True)
+    if options.regime.stated:
+        print(f"gradequiv check: {options.regime.describe()}", flush=True)
     # Failures are printed once, by the plugin's summary, not again by pytest's tracebacks
     # and short summary (which would name the suite's temporary folder).
     from gradequiv.harness.reports.files import take_write_failure

@@ -116,6 +116,11 @@ def _check(report: dict[str, Any]) -> list[str]:
         lines += [f"| {_md(name)} | {_md(outcome)} |" for name, outcome in tests.items()]
         lines.append("")
     lines += [_conditions(report["conditions"]), ""]
+    regime = report.get("regime")
+    if regime:
+        left = "; ".join(regime["left_out"]) or "nothing"
+        lines += [f"Training regime stated in {_md(regime['source'])}: not drawn: {_md(left)}; "
+                  f"the verdict holds for this regime only.", ""]
     return lines
 
 

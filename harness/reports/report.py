@@ -268,6 +268,7 @@ def assemble_check_report(
         "faults": distinct_faults(failures),
         "tests": dict(sorted(outcomes.items())),
         "not_applicable": dict(sorted((not_applicable or {}).items())),
+        "regime": options.regime.to_dict() if options.regime.stated else None,
         "minimal_failures": failures,
         "statistics": _statistics(records),
     })
