@@ -23,8 +23,8 @@ from gradequiv.harness.engine.schedules import PIPELINE_SCHEDULES
 from gradequiv.harness.errors import InvalidArgument
 from gradequiv.models.kinds import DTYPES, GRAD_MODES, SCHEDULES
 
-__all__ = ["BACKWARDS", "EVERYTHING", "KEYS", "MAX_LOSS_PARTS", "Regime", "find_pyproject",
-           "stated_regime"]
+__all__ = ["BACKWARDS", "EVERYTHING", "KEYS", "MAX_LOSS_PARTS", "Regime", "describe",
+           "find_pyproject", "stated_regime"]
 
 #: Where the backward runs: after the autocast block (as torch's AMP recipe writes it), or
 #: inside it.
@@ -140,9 +140,7 @@ class Regime:
 
     def describe(self) -> str:
         """One line: where the regime was stated and what it keeps out."""
-        left = "; ".join(self.left_out()) or "nothing"
-        return (f"training regime stated in {self.source}: not drawn: {left}; the verdict "
-                f"holds for this regime only")
+        return describe(self.to_dict())
 
     def to_dict(self) -> dict[str, Any]:
         """The stated keys, as written in ``[tool.gradequiv]`` (only those that differ from
@@ -167,6 +165,14 @@ class Regime:
         stated = self.to_dict()["stated"]
         return [f"{key}={','.join(map(str, v)) if isinstance(v, list) else v}"
                 for key, v in stated.items()]
+
+
+def describe(stated: Mapping[str, Any]) -> str:
+    """The sentence every view says of a stated regime (``Regime.to_dict``, or report.json's
+    ``regime``): where it was stated, what it left out, what the verdict holds for."""
+    left = "; ".join(stated["left_out"]) or "nothing"
+    return (f"training regime stated in {stated['source']}: not drawn: {left}; the verdict "
+            f"holds for this regime only")
 
 
 #: No regime stated: every value of every key drawn.

@@ -151,6 +151,7 @@ def test_a_checkpoint_right_only_in_the_stated_regime_passes_it_and_the_report_s
     assert all(c["case"]["dtype"] == "bf16-autocast" for c in report["cases"])
     assert "the verdict holds for this regime only" in out
     assert "Training regime stated in" in (report_dir / "report.md").read_text()
+    assert "the verdict holds for this regime only" in (report_dir / "report.html").read_text()
 
 
 @pytest.mark.parametrize("outside", [{"dtype": "fp16-autocast"},

@@ -19,6 +19,7 @@ import dataclasses
 from html import escape
 from typing import Any
 
+from gradequiv.harness.regime import describe
 from gradequiv.harness.reports.bundle import ReportBundle
 from gradequiv.harness.reports.figures import MISSING_MATPLOTLIB, frontier_png, gradient_heatmap_png
 from gradequiv.harness.reports.findings import (
@@ -143,7 +144,10 @@ def _check(report: dict[str, Any]) -> list[str]:
                               classes)))
     parts.append("</details>")
     parts.append("<h2>Conditions</h2>")
-    parts.append(_table(Table(["", ""], [[k, str(v)] for k, v in report["conditions"].items()])))
+    rows = [[k, str(v)] for k, v in report["conditions"].items()]
+    if report.get("regime"):
+        rows.append(["training regime", describe(report["regime"])])
+    parts.append(_table(Table(["", ""], rows)))
     return parts
 
 

@@ -17,6 +17,7 @@ import re
 from html import escape
 from typing import Any
 
+from gradequiv.harness.regime import describe
 from gradequiv.harness.reports.bundle import ReportBundle
 from gradequiv.harness.reports.findings import FailureGroup, failure_groups, find, headline_command
 from gradequiv.harness.reports.report import bounded_report
@@ -116,11 +117,9 @@ def _check(report: dict[str, Any]) -> list[str]:
         lines += [f"| {_md(name)} | {_md(outcome)} |" for name, outcome in tests.items()]
         lines.append("")
     lines += [_conditions(report["conditions"]), ""]
-    regime = report.get("regime")
-    if regime:
-        left = "; ".join(regime["left_out"]) or "nothing"
-        lines += [f"Training regime stated in {_md(regime['source'])}: not drawn: {_md(left)}; "
-                  f"the verdict holds for this regime only.", ""]
+    if report.get("regime"):
+        sentence = describe(report["regime"])
+        lines += [_md(sentence[:1].upper() + sentence[1:]) + ".", ""]
     return lines
 
 
