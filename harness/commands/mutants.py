@@ -58,8 +58,10 @@ def run_suite(spec: str, models: tuple[str, ...], *, seed: int, examples: int,
     from gradequiv.harness.commands.check import run_suite as run_property_suite
 
     with tempfile.TemporaryDirectory(prefix="gradequiv-mutants-") as folder:
+        # every regime: the fault library measures the harness, not a user's training
         options = check_options(impl=spec, seed=seed, examples=examples, profile="ci",
-                                shrink=False, models=models, device=device, report_dir=folder)
+                                shrink=False, models=models, device=device, report_dir=folder,
+                                read_pyproject=False)
         code = run_property_suite(SuiteRun(options), ["-x", "-p", "no:terminal"])
         report_file = Path(folder) / "report.json"
         report = json.loads(report_file.read_text()) if report_file.exists() else {}
