@@ -124,6 +124,19 @@ def test_torch_checkpoint_passes_and_a_stack_per_stage_fails_on_the_split_user_m
     for verdict in verdicts[2:]:
         assert not verdict.passed and verdict.error is None, verdict.error
         assert any("grad of blocks." in line for line in verdict.failures), verdict.failures
+    # where they first part: under GPipe the last stage's re-run of micro-batch 0 pops
+    # micro-batch 1's boundary; under 1F1B that stage's backward of micro-batch 0 runs
+    # before its next forward, and what parts first is its weights' gradients (the blocks'
+    # are missing on the recompute path: the failures say so)
+    gpipe, one_f_one_b = verdicts[2:]
+    assert gpipe.locus == {"stage": 1, "rank": 1, "micro_batch": 0, "step": 1,
+                           "what": "input gradient"}
+    assert one_f_one_b.locus == {"stage": 1, "rank": 1, "micro_batch": 0, "step": 1,
+                                 "what": "weight gradients"}
+    assert one_f_one_b.first_failure.endswith(
+        "first differs at stage 1 (rank 1), micro-batch 0: its weights' gradients summed up "
+        "to this micro-batch (step 1)")
+    assert all(verdict.locus is None for verdict in verdicts[:2])
 
 
 @pytest.mark.distributed
