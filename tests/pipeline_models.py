@@ -4,7 +4,11 @@ and ones that get it wrong, for the refusals."""
 
 from __future__ import annotations
 
+import torch
+import torch.nn.functional as F
 from torch import Tensor, nn
+
+from gradequiv.models import UserModel
 
 
 class StackPart(nn.Module):
@@ -52,3 +56,73 @@ def copied_blocks(model: nn.Module, n_stages: int) -> list[nn.Module]:
     import copy
 
     return residual_stack_split(copy.deepcopy(model), n_stages)
+
+
+# -- a stage that hands its input on unchanged -------------------------------------------------
+
+class MixingBlock(nn.Module):
+    """A residual block that reads the model's input beside the stream (every layer mixes
+    ``x0`` back in, as the reference transformer's layers do)."""
+
+    def __init__(self, width: int, p: float) -> None:
+        super().__init__()
+        self.norm = nn.LayerNorm(width)
+        self.linear = nn.Linear(width, width)
+        self.dropout = nn.Dropout(p)
+
+    def forward(self, x: Tensor, x0: Tensor, *, scale: float = 1.0) -> Tensor:
+        return x + scale * self.dropout(F.gelu(self.linear(self.norm(x) * x0)))
+
+
+class MixingStack(nn.Module):
+    def __init__(self, width: int, depth: int, p: float) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(MixingBlock(width, p) for _ in range(depth))
+        self.head = nn.Linear(width, 3)
+
+    def forward(self, x: Tensor) -> Tensor:
+        x0 = x
+        for block in self.blocks:
+            x = block(x, x0, scale=0.5)
+        return self.head(x)
+
+
+def mixing_stack(seed: int) -> UserModel:
+    """Four blocks that each read the model's input: split one block a stage, every stage
+    but the last hands ``x0`` on as it came (``carry_input_split``)."""
+    gen = torch.Generator().manual_seed(seed)
+    model = MixingStack(width=16, depth=4, p=0.2)
+    inputs = (torch.randn(8, 16, generator=gen).requires_grad_(),)
+    targets = torch.randint(0, 3, (8,), generator=gen)
+    return UserModel(model, inputs, targets, F.cross_entropy,
+                     segments=[f"blocks.{i}" for i in range(4)])
+
+
+class CarryingPart(nn.Module):
+    """A run of ``MixingStack``'s blocks taking ``(x, x0)`` (the first: the model's input,
+    which is ``x0``) and handing ``(x, x0)`` on, ``x0`` the very tensor it was given; the
+    last part ends with the head."""
+
+    def __init__(self, blocks: list[nn.Module], head: nn.Module | None) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(blocks)
+        self.head = head
+
+    def forward(self, x: Tensor, x0: Tensor | None = None) -> Tensor | tuple[Tensor, Tensor]:
+        x0 = x if x0 is None else x0
+        for block in self.blocks:
+            x = block(x, x0, scale=0.5)
+        return self.head(x) if self.head is not None else (x, x0)
+
+
+def carry_input_split(model: nn.Module, n_stages: int) -> list[nn.Module]:
+    """The blocks as ``n_stages`` contiguous runs, the head with the last."""
+    blocks = list(model.blocks)  # type: ignore[arg-type]
+    base, extra = divmod(len(blocks), n_stages)
+    parts, start = [], 0
+    for k in range(n_stages):
+        stop = start + base + (k < extra)
+        parts.append(CarryingPart(blocks[start:stop],
+                                  model.head if k == n_stages - 1 else None))  # type: ignore[arg-type]
+        start = stop
+    return parts

@@ -345,7 +345,8 @@ class UserStage(_Placed):
     """One stage of a user's model: the module their split function returned, called under
     the case's autocast. The first takes the model's inputs (its keyword inputs by their
     names, as ``ExternalModel.forward`` hands them), the others the previous stage's output
-    as it came; the last returns what the user's loss takes."""
+    as it came; the last returns what the user's loss takes. An input the module hands on
+    unchanged leaves as a copy, as the reference stage's ``x0`` does (``_own_outputs``)."""
 
     def __init__(self, inner: nn.Module, case: Case, device: torch.device, index: int,
                  count: int, input_keys: tuple[str, ...]) -> None:
@@ -358,8 +359,26 @@ class UserStage(_Placed):
         with self._case.autocast(self._device):
             if self.is_first and self._input_keys:
                 k = len(args) - len(self._input_keys)
-                return self.inner(*args[:k], **dict(zip(self._input_keys, args[k:])))
-            return self.inner(*args)
+                out = self.inner(*args[:k], **dict(zip(self._input_keys, args[k:])))
+            else:
+                out = self.inner(*args)
+        return _own_outputs(out, args)
+
+
+def _own_outputs(out: Any, args: tuple[Any, ...]) -> Any:
+    """``out`` with each tensor that is one of ``args`` (handed on unchanged) cloned.
+    torch's zero-bubble input pass detaches every stage output in place: an output that is
+    the stage's input would leave that input needing no gradient, and a checkpointed layer
+    of the stage that reads it then re-runs, in the weight pass, on other terms than its
+    forward (torch's checkpoint raises "A different number of tensors was saved")."""
+    inputs = {id(a) for a in args if isinstance(a, Tensor)}
+
+    def own(t: Any) -> Any:
+        return t.clone() if isinstance(t, Tensor) and id(t) in inputs else t
+
+    if isinstance(out, (tuple, list)):
+        return type(out)(own(t) for t in out)
+    return own(out)
 
 
 def _split_user_model(path: PreparedPath, n_stages: int, split: str) -> list[UserStage]:
