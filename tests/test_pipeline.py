@@ -386,3 +386,64 @@ def test_report_json_says_where_a_pipeline_case_first_parts(tmp_path: Path) -> N
     assert report["failure"]["message"].endswith(
         "first differs at stage 1 (rank 1), micro-batch 0: the gradient it hands back for "
         "its input (step 1)")
+
+
+# -- PP x DP: FSDP2 per stage, 2 stages x 2 data-parallel ranks -------------------------------
+
+#: four rows: each data-parallel rank its two, as two micro-batches of one
+PP_DP = replace(CASE, batch=BatchConfig(4, 8, padding=False))
+
+
+def _pp_dp_rank(rank: int, folder: str) -> None:
+    """Rank ``rank`` of a (pp=2, dp=2) mesh: its stage sharded over its data-parallel pair,
+    its half of the rows, each path trained through GPipe and 1F1B."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from gradequiv.harness import resolve
+    from gradequiv.harness.engine.pipeline import StagedPath
+
+    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{folder}/rendezvous", rank=rank,
+                            world_size=4)
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("pp", "dp"))
+    pp_rank, dp_rank = mesh["pp"].get_local_rank(), mesh["dp"].get_local_rank()
+    seen: dict[Any, Any] = {}
+    for schedule in ("gpipe", "1f1b"):
+        for name, kwargs in PATHS.items():
+            impl = None if kwargs is None else resolve("torch", kwargs=kwargs)
+            path = prepare(PP_DP, impl, torch.device("cpu"), seed_offset=rank)
+            path.inputs = (path.inputs[0][2 * dp_rank:2 * dp_rank + 2], None)
+            path.targets = path.targets[2 * dp_rank:2 * dp_rank + 2]
+            staged = StagedPath(path, Pipelining(schedule, 2), pp_rank, 2,
+                                group=mesh["pp"].get_group(), data_parallel=mesh["dp"])
+            steps = [staged.step() for _ in range(PP_DP.steps)]
+            for step in steps:  # each rank's own shard of each gradient
+                step.grads = {n: None if g is None else g.to_local()
+                              for n, g in step.grads.items()}
+            seen[schedule, name] = steps
+    torch.save(seen, Path(folder, f"rank{rank}.pt"))
+    dist.destroy_process_group()
+
+
+def test_fsdp2_per_stage_under_the_schedule_keeps_torch_checkpoint_bitwise() -> None:
+    """PP x DP on four gloo ranks, as torchtitan composes them: the pipeline's two stages
+    each FSDP2-sharded over a pair of data-parallel ranks that train their own rows; the
+    re-run meets parameters gathered again. torch's checkpoint is bitwise full storage on
+    every rank, and without RNG restoration the masks differ on some."""
+    import torch.multiprocessing as mp
+
+    with tempfile.TemporaryDirectory() as folder:
+        mp.spawn(_pp_dp_rank, args=(folder,), nprocs=4)
+        ranks = [torch.load(Path(folder, f"rank{r}.pt"), weights_only=False)
+                 for r in range(4)]
+    for schedule in ("gpipe", "1f1b"):
+        for rank, seen in enumerate(ranks):
+            full = seen[schedule, "full"]
+            assert _differences(full, seen[schedule, "torch"]) == [], (schedule, rank)
+            assert all(g is not None for g in full[0].grads.values()), (schedule, rank)
+        # the last stage's ranks (pp index 1: ranks 2 and 3) hold the losses of their rows
+        assert [len(seen[schedule, "full"][0].losses) for seen in ranks] == [0, 0, 2, 2]
+        assert any(_differences(seen[schedule, "full"], seen[schedule, "no-rng-restore"])
+                   for seen in ranks), schedule

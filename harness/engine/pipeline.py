@@ -434,10 +434,14 @@ class StagedPath:
     """A prepared path trained through torch's pipeline schedule on this rank: its stages,
     the schedule over them and an optimizer over their parameters, built once; ``step``
     trains one optimizer step. Every rank of ``group`` builds one, with the same case and
-    ``pipelining``, and calls ``step`` at the same points."""
+    ``pipelining``, and calls ``step`` at the same points. ``rank`` and ``world_size`` are
+    the pipeline's (``group``'s). ``data_parallel``: a device mesh over the ranks that hold
+    the same stages (PP x DP): each stage is FSDP2-sharded over it (``fully_shard``)
+    before torch's stage takes it, as torchtitan composes the two; each of those ranks
+    trains its own rows."""
 
     def __init__(self, path: PreparedPath, pipelining: Pipelining, rank: int,
-                 world_size: int, group: Any = None) -> None:
+                 world_size: int, group: Any = None, data_parallel: Any = None) -> None:
         from torch.distributed import pipelining as pp
 
         from gradequiv.harness.engine.runner import LEARNING_RATE, MOMENTUM
@@ -454,6 +458,11 @@ class StagedPath:
                                              pipelining.split))
         placed = pipelining.stage_ranks(world_size)
         self.stages = [s for s in every if placed[s.index] == rank]
+        if data_parallel is not None:
+            from torch.distributed.fsdp import fully_shard
+
+            for stage in self.stages:
+                fully_shard(stage, mesh=data_parallel)
         self.torch_stages = torch_stages = [
             pp.PipelineStage(s, s.index, s.count, path.device, group=group) for s in self.stages]
         kind = PIPELINE_SCHEDULES[pipelining.schedule]
