@@ -56,6 +56,8 @@ def test_the_watch_finds_the_micro_batch_whose_backward_parts() -> None:
     assert first_difference(rank=3) is None
     _path("recompute", broken_chunk=1)  # micro-batch 0 right, 1's gradients doubled
     assert first_difference(rank=3) == Locus(1, 3, 1, 1, "input gradient")
+    _path("full", None)  # the next case: nothing to compare until its recompute runs
+    assert first_difference(rank=3) is None
 
 
 def test_the_pass_that_raised_is_named_with_its_stage_and_micro_batch() -> None:

@@ -149,6 +149,8 @@ def watch_for(side: str | None) -> BoundaryWatch:
     for :func:`first_difference`; ``None`` (a path nothing compares it with, the floor's):
     kept nowhere."""
     watch = BoundaryWatch()
+    if side == "full":  # a new case: the last one's recompute is compared with nothing
+        _WATCHES.pop("recompute", None)
     if side is not None:
         _WATCHES[side] = watch
     return watch
