@@ -201,7 +201,24 @@ def test_the_check_passes_torch_checkpoint_under_every_schedule_with_every_prope
             assert {"outputs", "gradients", "trajectory", "recompute"} <= checked, schedule
 
 
+def _locus(verdict: Any) -> tuple[int, int, int, str]:
+    """Where a failing pipeline case says the two paths first part: (stage, its rank,
+    micro-batch, what), and that its first line says so."""
+    locus = verdict.locus
+    assert locus is not None, verdict.first_failure
+    said = f"first differs at stage {locus['stage']} (rank {locus['rank']}), micro-batch "
+    assert said + str(locus["micro_batch"]) in verdict.first_failure
+    return locus["stage"], locus["rank"], locus["micro_batch"], locus["what"]
+
+
 def test_a_stash_per_module_fails_under_the_schedules_and_one_per_call_passes() -> None:
+    """The slot holds the latest micro-batch's inputs when the first one's backward re-runs.
+    GPipe runs every forward first: the last stage's (1, on rank 1) re-run of micro-batch 0
+    reads micro-batch 1's, and the gradient it hands back is the first to differ. 1F1B runs
+    the last stage's backward of micro-batch 0 before its next forward (right there), and
+    the first stage's after both forwards: its weights' gradients at micro-batch 0. ZBV's V
+    puts stages 1 and 2 (the two groups) on rank 1: stage 2, the later one, re-runs
+    micro-batch 0 after later micro-batches' forwards filled its slot."""
     schedules = ["gpipe", "1f1b", "zbv-zero-bubble"]
     wrong = _through_check("pipeline_impls:module_slot_checkpoint", schedules)
     right = _through_check("correct_impls:call_keyed_stash_checkpoint", schedules)
@@ -209,6 +226,10 @@ def test_a_stash_per_module_fails_under_the_schedules_and_one_per_call_passes() 
         assert not wrong[schedule].passed and wrong[schedule].error is None, schedule
         assert "gradients: grad of blocks." in wrong[schedule].failures[0], schedule
         assert right[schedule].passed, (schedule, right[schedule].failures)
+        assert right[schedule].locus is None
+    assert _locus(wrong["gpipe"]) == (1, 1, 0, "input gradient")
+    assert _locus(wrong["1f1b"]) == (0, 0, 0, "weight gradients")
+    assert _locus(wrong["zbv-zero-bubble"]) == (2, 1, 0, "input gradient")
 
 
 def test_torch_reentrant_checkpoint_is_refused_by_the_stage_loudly_and_ends_the_case() -> None:
@@ -253,6 +274,12 @@ def test_a_stash_freed_by_the_first_backward_fails_only_where_the_weight_pass_is
     for schedule in ("interleaved-zero-bubble", "zbv-zero-bubble"):
         error = verdicts[schedule].error or ""
         assert "freed by an earlier backward pass" in error, schedule
+    # the first weight pass over a checkpointed stage: stage 2 holds a group (stage 1's
+    # input pass and weight pass come later, stage 3 is the head), micro-batch 0; stage 2
+    # sits on rank 0 in a loop, on rank 1 in the V
+    for schedule, rank in (("interleaved-zero-bubble", 0), ("zbv-zero-bubble", 1)):
+        said = f"raised at stage 2 (rank {rank}), micro-batch 0, in its weight pass"
+        assert verdicts[schedule].first_failure.endswith(said), schedule
 
 
 def _each(runs: list[tuple[str, Any, Pipelining]]) -> list[Any]:
@@ -289,6 +316,11 @@ def test_a_stack_of_boundaries_per_stage_fails_once_micro_batches_are_in_flight(
     for verdict in (gpipe, one_f_one_b):
         _fails_on_both_ranks(verdict, "gradients: grad of blocks.0.norm_2.weight: relative "
                                       "error 1.2")
+    # micro-batch 0's re-run pops micro-batch 1's boundary: under GPipe the last stage's
+    # first (all forwards ran), under 1F1B the first stage's (the last stage's backward of
+    # micro-batch 0 runs before its next forward, and pops its own)
+    assert _locus(gpipe) == (1, 1, 0, "input gradient")
+    assert _locus(one_f_one_b) == (0, 0, 0, "weight gradients")
     assert alone.passed, alone.failures
     torch.set_num_threads(1)
     reverse = replace(CASE, schedule="gpipe-reverse")
@@ -315,6 +347,8 @@ def test_a_re_run_under_backwards_autocast_fails_where_the_schedule_runs_backwar
     for verdict in wrong:
         _fails_on_both_ranks(verdict, "gradients: grad of blocks.1.mlp.fc.weight: relative "
                                       "error 0.0")
+        # every re-run is in fp32: the last stage's, of micro-batch 0, is the first backward
+        assert _locus(verdict) == (1, 1, 0, "input gradient")
     assert fp32.passed, fp32.failures
     assert torch_own.passed, torch_own.failures
     torch.set_num_threads(1)
@@ -334,3 +368,82 @@ def test_per_call_peers_pass_under_every_schedule_zero_bubble_included() -> None
         for rank in verdict.verdicts:
             checked = {p.name for p in rank.properties if p.passed}
             assert {"gradients", "recompute"} <= checked, run
+
+
+def test_report_json_says_where_a_pipeline_case_first_parts(tmp_path: Path) -> None:
+    """The stage, its rank and the micro-batch go into the failure's message (the first
+    line a reader sees) and, as fields, into report.json's minimal failure (validated
+    against the schema as the report is read)."""
+    from gradequiv.harness.cli import main
+    from gradequiv.harness.reports.bundle import load_bundle
+
+    assert main(["distributed", "--impl", "pipeline_impls:stage_stack_checkpoint",
+                 "--wrapper", "pp", "--schedule", "gpipe", "--micro-batches", "2",
+                 "--case", CASE.to_json(), "--report-dir", str(tmp_path)]) == 1
+    report = load_bundle(tmp_path).report
+    assert report["minimal_failures"][0]["pipeline"] == {
+        "stage": 1, "rank": 1, "micro_batch": 0, "step": 1, "what": "input gradient"}
+    assert report["failure"]["message"].endswith(
+        "first differs at stage 1 (rank 1), micro-batch 0: the gradient it hands back for "
+        "its input (step 1)")
+
+
+# -- PP x DP: FSDP2 per stage, 2 stages x 2 data-parallel ranks -------------------------------
+
+#: four rows: each data-parallel rank its two, as two micro-batches of one
+PP_DP = replace(CASE, batch=BatchConfig(4, 8, padding=False))
+
+
+def _pp_dp_rank(rank: int, folder: str) -> None:
+    """Rank ``rank`` of a (pp=2, dp=2) mesh: its stage sharded over its data-parallel pair,
+    its half of the rows, each path trained through GPipe and 1F1B."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from gradequiv.harness import resolve
+    from gradequiv.harness.engine.pipeline import StagedPath
+
+    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{folder}/rendezvous", rank=rank,
+                            world_size=4)
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("pp", "dp"))
+    pp_rank, dp_rank = mesh["pp"].get_local_rank(), mesh["dp"].get_local_rank()
+    seen: dict[Any, Any] = {}
+    for schedule in ("gpipe", "1f1b"):
+        for name, kwargs in PATHS.items():
+            impl = None if kwargs is None else resolve("torch", kwargs=kwargs)
+            path = prepare(PP_DP, impl, torch.device("cpu"), seed_offset=rank)
+            path.inputs = (path.inputs[0][2 * dp_rank:2 * dp_rank + 2], None)
+            path.targets = path.targets[2 * dp_rank:2 * dp_rank + 2]
+            staged = StagedPath(path, Pipelining(schedule, 2), pp_rank, 2,
+                                group=mesh["pp"].get_group(), data_parallel=mesh["dp"])
+            steps = [staged.step() for _ in range(PP_DP.steps)]
+            for step in steps:  # each rank's own shard of each gradient
+                step.grads = {n: None if g is None else g.to_local()
+                              for n, g in step.grads.items()}
+            seen[schedule, name] = steps
+    torch.save(seen, Path(folder, f"rank{rank}.pt"))
+    dist.destroy_process_group()
+
+
+def test_fsdp2_per_stage_under_the_schedule_keeps_torch_checkpoint_bitwise() -> None:
+    """PP x DP on four gloo ranks, as torchtitan composes them: the pipeline's two stages
+    each FSDP2-sharded over a pair of data-parallel ranks that train their own rows; the
+    re-run meets parameters gathered again. torch's checkpoint is bitwise full storage on
+    every rank, and without RNG restoration the masks differ on some."""
+    import torch.multiprocessing as mp
+
+    with tempfile.TemporaryDirectory() as folder:
+        mp.spawn(_pp_dp_rank, args=(folder,), nprocs=4)
+        ranks = [torch.load(Path(folder, f"rank{r}.pt"), weights_only=False)
+                 for r in range(4)]
+    for schedule in ("gpipe", "1f1b"):
+        for rank, seen in enumerate(ranks):
+            full = seen[schedule, "full"]
+            assert _differences(full, seen[schedule, "torch"]) == [], (schedule, rank)
+            assert all(g is not None for g in full[0].grads.values()), (schedule, rank)
+        # the last stage's ranks (pp index 1: ranks 2 and 3) hold the losses of their rows
+        assert [len(seen[schedule, "full"][0].losses) for seen in ranks] == [0, 0, 2, 2]
+        assert any(_differences(seen[schedule, "full"], seen[schedule, "no-rng-restore"])
+                   for seen in ranks), schedule

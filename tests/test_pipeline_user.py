@@ -124,6 +124,19 @@ def test_torch_checkpoint_passes_and_a_stack_per_stage_fails_on_the_split_user_m
     for verdict in verdicts[2:]:
         assert not verdict.passed and verdict.error is None, verdict.error
         assert any("grad of blocks." in line for line in verdict.failures), verdict.failures
+    # where they first part: under GPipe the last stage's re-run of micro-batch 0 pops
+    # micro-batch 1's boundary; under 1F1B that stage's backward of micro-batch 0 runs
+    # before its next forward, and what parts first is its weights' gradients (the blocks'
+    # are missing on the recompute path: the failures say so)
+    gpipe, one_f_one_b = verdicts[2:]
+    assert gpipe.locus == {"stage": 1, "rank": 1, "micro_batch": 0, "step": 1,
+                           "what": "input gradient"}
+    assert one_f_one_b.locus == {"stage": 1, "rank": 1, "micro_batch": 0, "step": 1,
+                                 "what": "weight gradients"}
+    assert one_f_one_b.first_failure.endswith(
+        "first differs at stage 1 (rank 1), micro-batch 0: its weights' gradients summed up "
+        "to this micro-batch (step 1)")
+    assert all(verdict.locus is None for verdict in verdicts[:2])
 
 
 @pytest.mark.distributed
@@ -152,3 +165,42 @@ def test_a_drawn_run_with_the_split_fails_the_stack_and_replays_with_split(
     out = capsys.readouterr().out
     assert "split by pipeline_models:residual_stack_split" in out
     assert f"--split {SPLIT}" in out.split("reproduce: ")[1]
+
+
+CARRIED = Case(model=ExternalConfig("pipeline_models:mixing_stack"), dtype="fp32")
+CARRY = "pipeline_models:carry_input_split"
+
+
+def test_an_input_a_user_stage_hands_on_unchanged_leaves_as_a_copy() -> None:
+    """Every stage of the carrying split returns ``(x, x0)`` with ``x0`` the tensor it was
+    given: the stage hands on a copy (zero bubble's input pass detaches each stage output
+    in place, which would detach the stage's own input), equal, and the gradient still
+    reaches the input through it."""
+    path = prepare(CARRIED, None, torch.device("cpu"))
+    stages = split_stages(path, 4, CARRY)
+    x, x0 = (torch.randn(8, 16).requires_grad_() for _ in range(2))
+    out, carried = stages[1](x, x0)
+    assert carried is not x0 and torch.equal(carried, x0)
+    first_out, first_carried = stages[0](x0)
+    assert first_carried is not x0 and torch.equal(first_carried, x0)
+    carried.sum().backward()
+    assert torch.equal(x0.grad, torch.ones_like(x0))  # type: ignore[arg-type]
+
+
+@pytest.mark.distributed
+def test_torch_checkpoint_passes_zero_bubble_where_a_user_stage_hands_its_input_on() -> None:
+    """Each block reads the model's input ``x0`` (a product: what its re-run saves depends on
+    whether ``x0`` needs a gradient), and every stage hands ``x0`` on as it came. Were the
+    stage's output its own input, zero bubble's input pass would detach it, and torch's
+    checkpoint would raise at the weight pass ("A different number of tensors was saved",
+    torch 2.13): a fault of the split's plumbing, not of the recompute."""
+    layouts = [Pipelining(s, 4, split=CARRY)
+               for s in ("interleaved-zero-bubble", "zbv-zero-bubble")]
+    from gradequiv.harness import resolve
+    from gradequiv.harness.commands.distributed import RankPool
+    from gradequiv.harness.engine.parallel import Parallel
+
+    with RankPool(resolve("torch"), world_size=2, timeout_s=120) as pool:
+        for layout in layouts:
+            verdict = pool.run(CARRIED, Parallel("pp", pipeline=layout))
+            assert verdict.passed, (layout.schedule, verdict.error, verdict.failures)

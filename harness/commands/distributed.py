@@ -78,22 +78,47 @@ class DistributedVerdict:
     #: why no verdict could be given: full storage itself fails under the engine (the
     #: model's or the engine's fault, never the implementation's)
     unrunnable: str | None = None
+    #: under a pipeline, where the two paths first part (``boundaries.Locus.to_dict``: the
+    #: stage, its rank, the micro-batch), or where a path raised (``where``, in words)
+    locus: dict[str, Any] | None = None
 
     def take(self, verdicts: tuple[Verdict, ...], evidence: tuple[dict[str, Any], ...]
              ) -> None:
         """The ranks' verdicts, and what each rank's op-level search found where one
-        failed: failing ranks first by rank, the properties' own words."""
+        failed: failing ranks first by rank, the properties' own words; under a pipeline,
+        the earliest of the ranks' first differences at their stages' boundaries."""
+        evidence = tuple({k: v for k, v in e.items() if k != "pipeline"} for e in evidence)
         self.verdicts, self.evidence = list(verdicts), list(evidence)
         self.compared = sum(len(p.checks) for v in verdicts for p in v.properties)
         self.failures = [f"rank {rank}: {v.first_failure}"
                          for rank, v in enumerate(verdicts) if not v.passed]
 
+    def take_locus(self, evidence: tuple[dict[str, Any], ...]) -> None:
+        """The earliest of the ranks' first differences (each rank sees its own stages)."""
+        from gradequiv.harness.engine.boundaries import Locus
+
+        found = [Locus(**e["pipeline"]) for e in evidence if e.get("pipeline")]
+        if found:
+            self.locus = min(found, key=lambda locus: locus.order).to_dict()
+
     @property
     def first_failure(self) -> str:
         if self.unrunnable is not None:
             return f"not checked: {self.unrunnable}"
-        return exception_line(self.error) if self.error else (
+        said = exception_line(self.error) if self.error else (
             self.failures[0] if self.failures else "")
+        return f"{said}; {self.where}" if said and self.where else said
+
+    @property
+    def where(self) -> str:
+        """Where a pipeline case parted or raised, in words ("" where not told)."""
+        from gradequiv.harness.engine.boundaries import Locus
+
+        if self.locus is None:
+            return ""
+        if "where" in self.locus:
+            return f"raised at {self.locus['where']}"
+        return Locus(**self.locus).describe()
 
 
 def verify_distributed(
@@ -259,9 +284,14 @@ class RankPool:
                 break
             time.sleep(0.02)
         if verdict.error is not None or verdict.unrunnable is not None:
+            raised = next((w.read_text() for w in sorted(self._out.glob(f"{number}-rank*.where"))),
+                          None)
+            verdict.locus = {"where": raised} if raised else None
             self._stop()  # its process group may be mid-collective: a fresh one next case
         else:
-            verdict.take(*zip(*(_load_verdict(p) for p in results)))
+            verdicts, evidence = zip(*(_load_verdict(p) for p in results))
+            verdict.take(verdicts, evidence)
+            verdict.take_locus(evidence)
             for p in results:
                 p.unlink()
         verdict.seconds = time.perf_counter() - started
@@ -340,10 +370,14 @@ def _evidence(impl: Implementation, case: Case, device: torch.device, setup: Ran
               verdict: Verdict) -> dict[str, Any]:
     """Where any rank's verdict failed, this rank's first diverging op (every rank searches
     together: the search trains the case's first step under the engine again)."""
+    from gradequiv.harness.engine.boundaries import first_difference
     from gradequiv.harness.engine.localise import localise
 
-    if setup.all_agree(verdict.passed) or setup.parallel.pipeline is not None:
-        return {}  # a pipeline's op-level search is not built: its stages' ops, not yet
+    if setup.all_agree(verdict.passed):
+        return {}
+    if setup.parallel.pipeline is not None:  # its stages' boundaries, not yet their ops
+        locus = first_difference(setup.rank)
+        return {"pipeline": locus.to_dict() if locus is not None else None}
     found = localise(impl, case, device, ranks=setup)
     return {"localisation": found.describe(),
             "first_diverging_op": found.divergence.to_dict() if found.divergence else None}
@@ -401,7 +435,10 @@ def _rank_main(rank: int, world_size: int, folder: str, device_type: str, tasks:
                 with (out / f".{number}-rank{rank}.pt").open("wb") as file:
                     pickle.dump((verdict, evidence), file)
                 os.replace(out / f".{number}-rank{rank}.pt", out / f"{number}-rank{rank}.pt")
-            except Exception:
+            except Exception as exc:
+                where = _raised_at(exc)
+                if where:  # the pipeline's stage and micro-batch, before the traceback
+                    (out / f"{number}-rank{rank}.where").write_text(where)
                 (out / f"{number}-rank{rank}.err").write_text(traceback.format_exc())
     except Exception:
         (out / f"0-rank{rank}.err").write_text(traceback.format_exc())
@@ -410,6 +447,13 @@ def _rank_main(rank: int, world_size: int, folder: str, device_type: str, tasks:
             dist.destroy_process_group()
         faulthandler.disable()
         crash.close()
+
+
+def _raised_at(exc: BaseException) -> str:
+    """The stage, micro-batch and pass a pipeline path raised in ("" where not one)."""
+    from gradequiv.harness.engine.staged import StagedPathError
+
+    return exc.where if isinstance(exc, StagedPathError) else ""
 
 
 #: cases a drawn run tries while shrinking a failure, at most: each is seconds on the ranks
@@ -824,6 +868,8 @@ class RunReport:
                 "reproduce": self._reproduce(found)}
             if diagnosis is not None:
                 failure["diagnosis"] = diagnosis
+            if found.verdict.locus is not None:
+                failure["pipeline"] = found.verdict.locus
             failures.append(failure)
         outcome = "passed" if found is None else "failed"
         report = assemble_check_report(

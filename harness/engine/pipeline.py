@@ -345,7 +345,8 @@ class UserStage(_Placed):
     """One stage of a user's model: the module their split function returned, called under
     the case's autocast. The first takes the model's inputs (its keyword inputs by their
     names, as ``ExternalModel.forward`` hands them), the others the previous stage's output
-    as it came; the last returns what the user's loss takes."""
+    as it came; the last returns what the user's loss takes. An input the module hands on
+    unchanged leaves as a copy, as the reference stage's ``x0`` does (``_own_outputs``)."""
 
     def __init__(self, inner: nn.Module, case: Case, device: torch.device, index: int,
                  count: int, input_keys: tuple[str, ...]) -> None:
@@ -358,8 +359,26 @@ class UserStage(_Placed):
         with self._case.autocast(self._device):
             if self.is_first and self._input_keys:
                 k = len(args) - len(self._input_keys)
-                return self.inner(*args[:k], **dict(zip(self._input_keys, args[k:])))
-            return self.inner(*args)
+                out = self.inner(*args[:k], **dict(zip(self._input_keys, args[k:])))
+            else:
+                out = self.inner(*args)
+        return _own_outputs(out, args)
+
+
+def _own_outputs(out: Any, args: tuple[Any, ...]) -> Any:
+    """``out`` with each tensor that is one of ``args`` (handed on unchanged) cloned.
+    torch's zero-bubble input pass detaches every stage output in place: an output that is
+    the stage's input would leave that input needing no gradient, and a checkpointed layer
+    of the stage that reads it then re-runs, in the weight pass, on other terms than its
+    forward (torch's checkpoint raises "A different number of tensors was saved")."""
+    inputs = {id(a) for a in args if isinstance(a, Tensor)}
+
+    def own(t: Any) -> Any:
+        return t.clone() if isinstance(t, Tensor) and id(t) in inputs else t
+
+    if isinstance(out, (tuple, list)):
+        return type(out)(own(t) for t in out)
+    return own(out)
 
 
 def _split_user_model(path: PreparedPath, n_stages: int, split: str) -> list[UserStage]:
@@ -415,10 +434,14 @@ class StagedPath:
     """A prepared path trained through torch's pipeline schedule on this rank: its stages,
     the schedule over them and an optimizer over their parameters, built once; ``step``
     trains one optimizer step. Every rank of ``group`` builds one, with the same case and
-    ``pipelining``, and calls ``step`` at the same points."""
+    ``pipelining``, and calls ``step`` at the same points. ``rank`` and ``world_size`` are
+    the pipeline's (``group``'s). ``data_parallel``: a device mesh over the ranks that hold
+    the same stages (PP x DP): each stage is FSDP2-sharded over it (``fully_shard``)
+    before torch's stage takes it, as torchtitan composes the two; each of those ranks
+    trains its own rows."""
 
     def __init__(self, path: PreparedPath, pipelining: Pipelining, rank: int,
-                 world_size: int, group: Any = None) -> None:
+                 world_size: int, group: Any = None, data_parallel: Any = None) -> None:
         from torch.distributed import pipelining as pp
 
         from gradequiv.harness.engine.runner import LEARNING_RATE, MOMENTUM
@@ -435,6 +458,11 @@ class StagedPath:
                                              pipelining.split))
         placed = pipelining.stage_ranks(world_size)
         self.stages = [s for s in every if placed[s.index] == rank]
+        if data_parallel is not None:
+            from torch.distributed.fsdp import fully_shard
+
+            for stage in self.stages:
+                fully_shard(stage, mesh=data_parallel)
         self.torch_stages = torch_stages = [
             pp.PipelineStage(s, s.index, s.count, path.device, group=group) for s in self.stages]
         kind = PIPELINE_SCHEDULES[pipelining.schedule]

@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import Tensor
 
+from gradequiv.harness.engine.boundaries import watch_for
 from gradequiv.harness.engine.global_state import snapshot
 from gradequiv.harness.engine.path import build_path
 from gradequiv.harness.engine.pipeline import RankStep, StagedPath
@@ -47,7 +48,13 @@ __all__ = ["StagedPathError", "run_staged"]
 
 
 class StagedPathError(RuntimeError):
-    """A path raised on this rank inside the pipeline: the case ends on every rank."""
+    """A path raised on this rank inside the pipeline: the case ends on every rank.
+    ``where``: the stage, micro-batch and pass that raised, in words ("" where it raised
+    outside a stage's call)."""
+
+    def __init__(self, message: str, where: str = "") -> None:
+        super().__init__(message)
+        self.where = where
 
 
 class _InBackward:
@@ -105,6 +112,10 @@ def run_staged(case: Case, impl: Implementation | None, *, device: torch.device,
     router = getattr(model, "router", None)
     names = UserNames(model)
     where = "setup"
+    # what crosses the stages' boundaries, kept for full storage and the recompute (a
+    # failing case says where they first part); the floor's path is compared with nothing
+    watch = watch_for("full" if impl is None and start_from is None
+                      else "recompute" if impl is not None else None)
     started = time.perf_counter()
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
@@ -123,12 +134,14 @@ def run_staged(case: Case, impl: Implementation | None, *, device: torch.device,
             staged = StagedPath(path, pipelining, ranks.rank, ranks.world_size)
             for stage in staged.torch_stages:
                 phase.watch(stage)
+                watch.attach(stage)
             mine = {n for n, _ in staged.local_parameters}
             held = {id(b) for stage in staged.stages for b in stage.buffers()}
             own_buffers = [(n, b) for n, b in names.buffers() if id(b) in held]  # its stages'
             n_steps = case.steps if steps is None else steps
             for step in range(1, n_steps + 1):
                 where = f"step {step} start"
+                watch.step = step
                 start_step(step, run, start_from, params, optimizer, device)
                 optimizer.zero_grad(set_to_none=True)
                 _reset(calls)
@@ -144,9 +157,11 @@ def run_staged(case: Case, impl: Implementation | None, *, device: torch.device,
             # One process's path cannot fail alone here: its peers wait on its sends for
             # ever. The rank ends the case with what it raised (the pool says so).
             side = "full-storage" if impl is None else "recompute"
+            raised_in = watch.where_raised(ranks.rank)
+            at = f"{where}, {raised_in}" if raised_in else where
             raise StagedPathError(
-                f"the {side} path raised on rank {ranks.rank} at {where} under "
-                f"{ranks.parallel.describe()}:\n{traceback.format_exc()}") from exc
+                f"the {side} path raised on rank {ranks.rank} at {at} under "
+                f"{ranks.parallel.describe()}:\n{traceback.format_exc()}", raised_in) from exc
     run.seconds = time.perf_counter() - started
     run.global_state = snapshot()
     run.returns = router.returns if router is not None else []
