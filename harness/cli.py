@@ -204,6 +204,10 @@ def build_parser() -> argparse.ArgumentParser:
     dist.add_argument("--schedule", choices=tuple(PIPELINE_SCHEDULES), default=None,
                       help="under pp, the schedule your training runs: drawn cases use it "
                            "only (default: every one drawn; --case: gpipe)")
+    dist.add_argument("--regime", action="append", default=[], metavar="KEY=VALUE",
+                      help="what your training runs (as check's --regime, on top of "
+                           "pyproject.toml's [tool.gradequiv]): its dtypes, "
+                           "pipeline-schedules and micro-batches are drawn only")
     dist.add_argument("--micro-batches", type=_count("--micro-batches"), default=None,
                       metavar="N", help="under pp with --case, the micro-batches of a step "
                                         "(default: one per rank, or per stage where a rank "

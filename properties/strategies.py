@@ -547,7 +547,7 @@ def distributed_cases(*, world_size: int = 2,
                       engines: tuple[str, ...] = ("ddp", "fsdp", "tp"),
                       model: str | None = None, device: str = "cpu",
                       model_parallel: bool = False, schedules: tuple[str, ...] | None = None,
-                      split: str | None = None
+                      split: str | None = None, regime: Regime = EVERYTHING
                       ) -> st.SearchStrategy[tuple[Case, Parallel]]:
     """Return a strategy for cases trained on ``world_size`` ranks, with their engine: the
     cases :func:`cases` (or :func:`external_cases` of ``model``) draws, trained one
@@ -555,12 +555,16 @@ def distributed_cases(*, world_size: int = 2,
     sample a rank; the engine among ``engines`` and, under FSDP2, its reshard mode and
     whether its mixed-precision policy is on (``model_parallel``: the user's set-up shares
     rows across every rank; ``split``: the function that cuts ``model`` into pipeline
-    stages, without which its pipeline is DDP). Shrinks towards the first engine,
-    resharding after forward, full precision and the cheapest case."""
+    stages, without which its pipeline is DDP; ``regime``: the training regime stated,
+    whose precisions, backward, pipeline micro-batches are drawn only). Shrinks towards
+    the first engine, resharding after forward, full precision and the cheapest case."""
     if world_size < 2:
         raise InvalidArgument(f"world_size={world_size!r}: at least 2 ranks")
-    drawn = (external_cases(model, device=device, modes=("backward",)) if model is not None
-             else cases(device=device, modes=("backward",)))
+    # one loss.backward() a step, whatever grad modes and schedules the regime states
+    within = Regime(dtypes=regime.dtypes, backward=regime.backward, source=regime.source)
+    drawn = (external_cases(model, device=device, modes=("backward",), regime=within)
+             if model is not None else cases(device=device, modes=("backward",),
+                                              regime=within))
 
     def trained_so(case: Case) -> Case:
         config = case.model
@@ -585,7 +589,7 @@ def distributed_cases(*, world_size: int = 2,
             name, model_parallel=model_parallel and name == "user", sequence_parallel=split))
 
     def piped() -> st.SearchStrategy[Parallel]:
-        return pipelines(world_size, schedules).map(
+        return pipelines(world_size, schedules, regime.micro_batches).map(
             lambda pipe: Parallel("pp", pipeline=replace(pipe, split=split)))
 
     def engine_of(name: str) -> st.SearchStrategy[Parallel]:
@@ -599,14 +603,17 @@ def distributed_cases(*, world_size: int = 2,
 
 
 @_cached
-def pipelines(world_size: int = 2, schedules: tuple[str, ...] | None = None
-              ) -> st.SearchStrategy[Pipelining]:
+def pipelines(world_size: int = 2, schedules: tuple[str, ...] | None = None,
+              micro_batches: int | None = None) -> st.SearchStrategy[Pipelining]:
     """Return a strategy for how a case is trained through torch's pipeline schedules on
     ``world_size`` ranks: the schedule (every one torch 2.13 has; GPipe first, as it
     shrinks), the stages each rank holds (the schedule's own number) and the micro-batches:
     one or two per rank under one stage per rank, one per stage under several.
-    ``schedules``: those only (the one a user trains with)."""
+    ``schedules``: those only (the one a user trains with); ``micro_batches``: that many
+    always (the user's own number)."""
     def micro(schedule: str) -> st.SearchStrategy[Pipelining]:
+        if micro_batches is not None:
+            return st.just(Pipelining(schedule, micro_batches))
         one = Pipelining(schedule, 1)
         if one.per_rank == 1:
             return _one_of((world_size, 2 * world_size)).map(
@@ -621,7 +628,7 @@ def distributed_runs(*, max_world_size: int = 2,
                      engines: tuple[str, ...] = ("ddp", "fsdp", "tp", "fsdp-tp", "pp"),
                      model: str | None = None, device: str = "cpu",
                      model_parallel: bool = False, schedules: tuple[str, ...] | None = None,
-                     split: str | None = None
+                     split: str | None = None, regime: Regime = EVERYTHING
                      ) -> st.SearchStrategy[tuple[Case, Parallel, int]]:
     """Return a strategy for a case, its engine and its world size, 2 to ``max_world_size``
     ranks: :func:`distributed_cases` on a world size drawn first, with the engines of
@@ -637,7 +644,7 @@ def distributed_runs(*, max_world_size: int = 2,
     def on(world: int) -> st.SearchStrategy[tuple[Case, Parallel, int]]:
         return distributed_cases(world_size=world, engines=usable(world), model=model,
                                  device=device, model_parallel=model_parallel,
-                                 schedules=schedules, split=split
+                                 schedules=schedules, split=split, regime=regime
                                  ).map(lambda drawn: (*drawn, world))
 
     worlds = [w for w in range(2, max_world_size + 1) if usable(w)]

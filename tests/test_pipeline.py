@@ -447,3 +447,26 @@ def test_fsdp2_per_stage_under_the_schedule_keeps_torch_checkpoint_bitwise() -> 
         assert [len(seen[schedule, "full"][0].losses) for seen in ranks] == [0, 0, 2, 2]
         assert any(_differences(seen[schedule, "full"], seen[schedule, "no-rng-restore"])
                    for seen in ranks), schedule
+
+
+def test_a_checkpoint_exact_under_1f1b_passes_the_schedule_stated_and_fails_zero_bubble(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+        capfd: pytest.CaptureFixture[str]) -> None:
+    """Done when (issue 48): a checkpoint whose RNG state the first backward pass through a
+    call uses up passes ``distributed --wrapper pp`` stated as 1F1B (in pyproject.toml, as a
+    user states it), and fails where the stated schedule is zero bubble, whose weight pass is
+    a second backward through the call."""
+    from gradequiv.harness.cli import main
+
+    (tmp_path / "pyproject.toml").write_text(
+        '[tool.gradequiv]\npipeline-schedules = ["1f1b"]\nmicro-batches = 4\n')
+    monkeypatch.chdir(tmp_path)
+    run = ["distributed", "--impl", "regime_impls:one_pass_checkpoint", "--wrapper", "pp",
+           "--examples", "4"]
+    assert main(run) == 0, capfd.readouterr().out
+    out = capfd.readouterr().out
+    assert "Schedule1F1B, 4 micro-batches" in out and "ScheduleGPipe" not in out
+    assert main([*run, "--regime", "pipeline-schedules=zbv-zero-bubble"]) == 1
+    out = capfd.readouterr().out
+    assert "minimal failure" in out and "ScheduleZBVZeroBubble" in out
+

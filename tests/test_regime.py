@@ -210,3 +210,20 @@ def test_the_plugin_reads_the_table_and_its_own_option(pytester: pytest.Pytester
     wrong = pytester.runpytest(*suite, "--gradequiv-regime=dtypes=fp64")
     assert wrong.ret == pytest.ExitCode.USAGE_ERROR
     wrong.stderr.fnmatch_lines(["*--gradequiv-regime: dtypes = 'fp64': 'fp64' is not one of*"])
+
+
+def test_a_checkpoint_exact_under_1f1b_passes_a_check_stated_as_1f1b(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+        capfd: pytest.CaptureFixture[str]) -> None:
+    """Done when (issue 48), in one process: a checkpoint whose RNG state the first backward
+    pass uses up is exact wherever each forward has one backward; stated as 1F1B with one
+    backward pass it passes, and the loss in parts it never runs still fails it."""
+    monkeypatch.chdir(tmp_path)
+    stated = ["--regime", "schedules=one,1f1b", "--regime", "loss-parts=1"]
+    code = main(["check", "--impl", "regime_impls:one_pass_checkpoint", "--examples", "10",
+                 *stated])
+    assert code == 0, capfd.readouterr().out
+    assert "micro-batch schedules gpipe, gpipe-reverse, summed" in capfd.readouterr().out
+    code = main(["check", "--impl", "regime_impls:one_pass_checkpoint",
+                 "--case", "2L-layer-two-losses-dropout"])
+    assert code == 1, capfd.readouterr().out

@@ -41,6 +41,7 @@ from gradequiv.harness.engine.parallel import PAIR, Parallel, RankSetup
 from gradequiv.harness.engine.verify import FullStorageError, Verdict, verify
 from gradequiv.harness.errors import InvalidArgument, exception_line
 from gradequiv.harness.implementations.adapters import Implementation
+from gradequiv.harness.regime import EVERYTHING, Regime, stated_regime
 
 __all__ = ["WRAPPERS", "DistributedVerdict", "Found", "RankPool", "RankPools", "likely_cause",
            "search", "verify_distributed"]
@@ -478,8 +479,8 @@ class _Failed(Exception):
 def search(pools: RankPools, *, max_world_size: int, engines: tuple[str, ...],
            model: str | None, examples: int, seed: int, say: Callable[[str], None],
            seen: Callable[[Found, bool], None] | None = None, model_parallel: bool = False,
-           schedules: tuple[str, ...] | None = None, split: str | None = None
-           ) -> tuple[int, Found | None]:
+           schedules: tuple[str, ...] | None = None, split: str | None = None,
+           regime: Regime = EVERYTHING) -> tuple[int, Found | None]:
     """Draw ``examples`` cases with their engine and world size
     (:func:`~gradequiv.properties.strategies.distributed_runs`) and run each on its ranks;
     shrink a failure (at most :data:`SHRINK_TRIES` more cases), towards the fewest ranks.
@@ -501,7 +502,7 @@ def search(pools: RankPools, *, max_world_size: int, engines: tuple[str, ...],
     @given(drawn=distributed_runs(max_world_size=max_world_size, engines=engines,
                                   model=model, device=pools.device,
                                   model_parallel=model_parallel, schedules=schedules,
-                                  split=split))
+                                  split=split, regime=regime))
     def one(drawn: tuple[Case, Parallel, int]) -> None:
         case, parallel, world = drawn
         shrinking = ran[1] > 0
@@ -556,7 +557,8 @@ def single_process(impl: Implementation, case: Case) -> str:
     with tempfile.TemporaryDirectory(prefix="gradequiv-dist-cause-") as folder:
         try:
             options = check_options(impl=impl.spec, adapter=impl.adapter, impl_kwargs=kwargs,
-                                    case=case.to_json(), profile="ci", report_dir=folder)
+                                    case=case.to_json(), profile="ci", report_dir=folder,
+                                    read_pyproject=False)  # one given case: as it is
             with contextlib.redirect_stdout(io.StringIO()):
                 code = check.run(options)
             report = json.loads((Path(folder) / "report.json").read_text(encoding="utf-8"))
@@ -615,6 +617,8 @@ def run(args: Any) -> int:
     if "user" in engines and args.parallelize is None:
         raise InvalidArgument("--wrapper=user needs --parallelize MODULE:FUNCTION, your "
                               "function (model, mesh) -> model")
+    regime = stated_regime(args.regime or None)
+    args.micro_batches = args.micro_batches or regime.micro_batches
     _check_split(args, engines)
     _check_pool(args.world_size, args.device, args.parallelize)
     case = load_case(args.case) if args.case is not None else None
@@ -634,12 +638,15 @@ def run(args: Any) -> int:
                 print(f"gradequiv distributed: {impl.spec} on {sizes} ({backend}), "
                       f"{args.examples} drawn cases under {', '.join(engines)}, "
                       f"seed {args.seed}", flush=True)
+                if regime.stated:
+                    print(f"gradequiv distributed: {regime.describe()}", flush=True)
                 ran, found = search(pools, max_world_size=args.world_size, engines=engines,
                                     model=args.model, examples=args.examples, seed=args.seed,
                                     say=lambda line: print(line, flush=True), seen=seen,
                                     model_parallel=args.model_parallel,
-                                    schedules=(args.schedule,) if args.schedule else None,
-                                    split=args.split)
+                                    schedules=(args.schedule,) if args.schedule
+                                    else regime.pipeline_schedules,
+                                    split=args.split, regime=regime)
         diagnosis = None
         if found is None:
             print(f"{ran} case(s) verified on every rank\nverdict: pass")
@@ -812,7 +819,8 @@ class RunReport:
 
         self.folder, self.impl, self.args = folder, impl, args
         self.options = check_options(impl=impl.spec, adapter=impl.adapter, seed=args.seed,
-                                     examples=args.examples, profile="ci", report_dir=folder)
+                                     examples=args.examples, profile="ci", report_dir=folder,
+                                     regime=stated_regime(args.regime or None))
         self.identity = run_identity()
         self.records: list[dict[str, Any]] = []
 
