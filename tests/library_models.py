@@ -164,3 +164,13 @@ def every_layer_said_every_second(model: torch.nn.Module) -> list[str]:
     model.activation_checkpointing_enable(  # type: ignore[operator]
         activation_checkpointing_kwargs={"use_reentrant": False})
     return [f"model.layers.{i}" for i in range(0, 4, 2)]
+
+
+def pins_host_memory() -> bool:
+    """Whether torch can pin host memory here (it cannot without an accelerator), which
+    transformers 5.25's offload asks for."""
+    try:
+        torch.empty(1, pin_memory=True)
+    except RuntimeError:
+        return False
+    return True

@@ -9,6 +9,7 @@ from typing import Any
 
 import pytest
 import torch
+from library_models import pins_host_memory
 
 from gradequiv.harness import Case, InvalidArgument, resolve, verify
 from gradequiv.harness.implementations.libraries import hf_gradient_checkpointing
@@ -148,22 +149,15 @@ def test_offload_saves_the_checkpoints_boundaries_through_save_on_cpu(
                                                                         offload=False))
 
 
-def _pins() -> bool:
-    try:
-        torch.empty(1, pin_memory=True)
-    except RuntimeError:
-        return False
-    return True
-
-
-@pytest.mark.skipif(not _pins(), reason="save_on_cpu(pin_memory=True) needs an accelerator")
+@pytest.mark.skipif(not pins_host_memory(),
+                    reason="save_on_cpu(pin_memory=True) needs an accelerator")
 def test_offload_passes_on_a_tiny_llama() -> None:
     verdict = verify(resolve("hf", kwargs={"offload": True}),
                      _case("layer", "gradequiv.models.hf:llama"))
     assert verdict.passed, verdict.error or _recompute(verdict).summary
 
 
-@pytest.mark.skipif(_pins(), reason="pinned host memory is available here")
+@pytest.mark.skipif(pins_host_memory(), reason="pinned host memory is available here")
 def test_offload_without_an_accelerator_is_the_library_s_error_as_the_verdict() -> None:
     """transformers 5.25 calls ``save_on_cpu(pin_memory=True, device_type="cpu")`` when no
     accelerator is present; torch 2.13 then refuses to pin the host copy. The check says
