@@ -158,7 +158,9 @@ def build_parser() -> argparse.ArgumentParser:
     _implementation_options(prof, impl_default="torch")  # torch's own checkpoint: a baseline
     prof.add_argument("--granularity", default=None, metavar="LIST", help=(
         "comma-separated (default: none,layer,every:2,group:2,attention,mlp; with --model: "
-        "none,layer,every:2, and its segments by name joined by '+', e.g. blocks.0+blocks.2)"))
+        "none,layer,every:2, and its segments by name joined by '+', e.g. blocks.0+blocks.2; "
+        "with a transformers --model also its own toggle: hf, hf:every_n_layers=2, "
+        "hf:offload)"))
     prof.add_argument("--model", default=None, metavar="SPEC",
                       help="profile your own model: package.module:attr, the factory check "
                            "--model takes (then --layers, --width, --heads, --seq-len, "

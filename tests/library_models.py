@@ -38,16 +38,24 @@ def _hidden_loss(outputs: Any, targets: Tensor) -> Tensor:
     return (outputs.last_hidden_state.float() * targets).mean()
 
 
+def _decoder(kind: str, seed: int, *, layers: int, kv_heads: int) -> torch.nn.Module:
+    """A tiny ``{kind}ForCausalLM`` (eager attention, attention dropout 0.1)."""
+    transformers = _quiet_import("transformers")
+    config = getattr(transformers, f"{kind}Config")(
+        vocab_size=VOCAB, hidden_size=WIDTH, intermediate_size=2 * WIDTH,
+        num_hidden_layers=layers, num_attention_heads=2, num_key_value_heads=kv_heads,
+        max_position_embeddings=SEQ, attention_dropout=0.1, attn_implementation="eager",
+        use_cache=False)
+    torch.manual_seed(seed)
+    model: torch.nn.Module = getattr(transformers, f"{kind}ForCausalLM")(config)
+    return model
+
+
 def qwen2(seed: int) -> UserModel:
     """A 2-layer Qwen2 decoder (eager attention, attention dropout 0.1); its decoder
     layers named by class."""
     transformers = _quiet_import("transformers")
-    config = transformers.Qwen2Config(
-        vocab_size=VOCAB, hidden_size=WIDTH, intermediate_size=2 * WIDTH, num_hidden_layers=2,
-        num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=SEQ,
-        attention_dropout=0.1, attn_implementation="eager", use_cache=False)
-    torch.manual_seed(seed)
-    model = transformers.Qwen2ForCausalLM(config)
+    model = _decoder("Qwen2", seed, layers=2, kv_heads=1)
     tokens, targets = _tokens(seed)
     return UserModel(model, {"input_ids": tokens}, targets, _logits_loss,
                      segments=[transformers.models.qwen2.modeling_qwen2.Qwen2DecoderLayer])
@@ -139,3 +147,30 @@ def unet(seed: int) -> UserModel:
 def diffusers_checkpointing(model: torch.nn.Module) -> None:
     """diffusers' own switch, as its users turn it on; it picks its own segments."""
     model.enable_gradient_checkpointing()
+
+
+def llama4(seed: int) -> UserModel:
+    """A 4-layer Llama (eager attention, attention dropout 0.1), enough layers for
+    ``every_n_layers`` and ``every:K`` to pick different ones; its decoder layers."""
+    model = _decoder("Llama", seed, layers=4, kv_heads=2)
+    tokens, targets = _tokens(seed)
+    return UserModel(model, (tokens,), targets, _logits_loss,
+                     segments=[f"model.layers.{i}" for i in range(4)])
+
+
+def every_layer_said_every_second(model: torch.nn.Module) -> list[str]:
+    """A toggle that checkpoints every layer but says it checkpoints every second one: the
+    layers it leaves out by its word re-run all the same."""
+    model.activation_checkpointing_enable(  # type: ignore[operator]
+        activation_checkpointing_kwargs={"use_reentrant": False})
+    return [f"model.layers.{i}" for i in range(0, 4, 2)]
+
+
+def pins_host_memory() -> bool:
+    """Whether torch can pin host memory here (it cannot without an accelerator), which
+    transformers 5.25's offload asks for."""
+    try:
+        torch.empty(1, pin_memory=True)
+    except RuntimeError:
+        return False
+    return True

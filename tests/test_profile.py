@@ -10,13 +10,14 @@ from typing import Any
 
 import pytest
 import torch
+from library_models import pins_host_memory
 
 from gradequiv.harness import Case, Implementation, resolve
 from gradequiv.harness.cli import main
 from gradequiv.harness.commands import profiling
 from gradequiv.harness.commands.profiling import pareto_frontier, percentiles, profile
 from gradequiv.harness.reports.figures import frontier_figure, frontier_title
-from gradequiv.models import BatchConfig, TransformerConfig, parse_granularity
+from gradequiv.models import BatchConfig, ExternalConfig, TransformerConfig, parse_granularity
 
 CASE = Case(model=TransformerConfig(n_layer=2, n_embd=16, n_head=2, max_seq_len=8,
                                     attn_dropout=0.1, mlp_dropout=0.1),
@@ -474,6 +475,14 @@ def test_the_command_prints_the_budget_verdict_and_writes_it(
      "only none, layer, every:K or segment names apply"),
     (["--model", "tests.user_models:wrong_segment"], "segment 'blocks.9' is not a submodule"),
     (["--model", "tests.user_models"], "is not 'package.module:attr'"),
+    (["--granularity", "none,hf"], "--granularity item 'hf' profiles transformers' own "
+     "toggle, which needs a transformers model: add --model gradequiv.models.hf:llama"),
+    (["--model", "tests.user_models:residual_stack", "--granularity", "none,hf:offload"],
+     "--granularity item 'hf:offload' profiles transformers' own toggle, and the model is a "
+     "Stack, not a transformers PreTrainedModel: leave the item out"),
+    (["--model", "tests.user_models:residual_stack", "--granularity", "hf:every=2"],
+     "--granularity item 'hf:every=2': 'every' is no option of transformers' toggle; its "
+     "options are every_n_layers, offload"),
 ])
 def test_bad_budgets_and_segment_names_are_exit_2_in_one_line(
         args: list[str], message: str, capsys: pytest.CaptureFixture[str]) -> None:
@@ -630,3 +639,35 @@ def test_the_table_names_held_and_peak_bytes_apart_and_the_conditions_say_the_lo
     group = table.rows[1]
     assert group[1:3] == [f"{MIB:,}", f"{20 * MIB:,}"] and group[4] == "-25.0%"
     assert "cpu, 1 thread, load average 3.50 2.25 1.00, 5 steps" in profile_summary(data)
+
+
+def test_transformers_toggle_rows_appear_beside_the_granularities_with_their_figures() -> None:
+    """``hf`` rows run transformers' own toggle, whatever --impl the other rows run; with
+    every_n_layers=2 it checkpoints one of the two layers, so it holds more than ``hf``."""
+    pytest.importorskip("transformers")
+    rows = ["none", "layer", "hf", "hf:every_n_layers=2"]
+    granularities = [profiling.parse_selection(t, ["model.layers.0", "model.layers.1"])
+                     for t in rows]
+    case = Case(model=ExternalConfig("gradequiv.models.hf:llama"))
+    result = profile(resolve("torch"), case, granularities, steps=1, warmup=0)
+    assert [r.granularity for r in result.rows] == rows
+    for row in result.rows:
+        assert row.held_bytes > 0 and row.peak_backward_bytes > 0
+        assert row.step_s["p50"] > 0 and row.tokens_per_s > 0
+    by_name = {r.granularity: r for r in result.rows}
+    assert by_name["hf"].held_bytes < by_name["hf:every_n_layers=2"].held_bytes \
+        < by_name["none"].held_bytes
+
+
+def test_offload_is_a_row_where_host_memory_pins_and_exit_2_with_the_reason_where_not(
+        capsys: pytest.CaptureFixture[str]) -> None:
+    pytest.importorskip("transformers")
+    code = main(["profile", "--model", "gradequiv.models.hf:llama", "--granularity",
+                 "none,hf:offload", "--steps", "1", "--warmup", "0"])
+    out, err = capsys.readouterr()
+    if pins_host_memory():
+        assert code == 0 and "| hf:offload |" in out, err
+    else:
+        assert code == 2, out
+        assert err.startswith("gradequiv: error: --granularity item 'hf:offload': transformers' "
+                              "toggle raised in the first step: RuntimeError: pin_memory=True")

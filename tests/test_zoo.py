@@ -173,6 +173,29 @@ def test_a_reason_with_a_pipe_reads_back_from_the_table(tmp_path: Path) -> None:
     assert zoo.read_verdicts(table) == {"XForCausalLM": (zoo.CANNOT_BUILD,) * 4}
 
 
+def test_the_header_names_the_toggle_the_installed_transformers_has() -> None:
+    pytest.importorskip("transformers")
+    import transformers
+
+    from gradequiv.harness.commands.zoo import _conditions
+
+    conditions = _conditions()
+    has_new = hasattr(transformers.PreTrainedModel, "activation_checkpointing_enable")
+    toggle = "activation_checkpointing_enable" if has_new else "gradient_checkpointing_enable"
+    assert conditions["toggle"] == toggle
+    assert conditions["transformers"] == transformers.__version__
+    row = {"architecture": "XForCausalLM", "status": zoo.CANNOT_BUILD,
+           "reason": "r", "checks": {}, "seconds": 0.1}
+    data = {"conditions": conditions, "counts": {"pass": 0, "fail": 0, "cannot build": 1},
+            "rows": [row], "patterns": None, "limit": None, "complete": True,
+            "architectures": 1, "heads": ["ForCausalLM"], "steps": 2, "wall_seconds": 1.0,
+            "median_seconds": 0.1, "median_built_seconds": 0.0,
+            "reproduce": "gradequiv zoo --out t.md"}
+    text = zoo.markdown(data)
+    assert f"(its own `{toggle}()`)" in text
+    assert f"transformers {transformers.__version__}," in text
+
+
 @pytest.mark.parametrize("library, said", [
     ("timm", "does not list timm's models yet: check them one by one"),
     ("diffusers", "does not list or build diffusers' models yet"),

@@ -10,7 +10,9 @@ during backward, when recomputed activations are alive for a moment.
 
 A user's model (``--model``) is profiled the same way; its granularities are its
 own segments: every one (``layer``), every k-th (``every:K``) or any set of them
-by name (``blocks.0+blocks.2``). The recommendation reads the frontier
+by name (``blocks.0+blocks.2``). A transformers model may add rows of its own toggle
+(``hf``, ``hf:every_n_layers=2``, ``hf:offload``): transformers picks the layers, whatever
+``--impl`` the other rows run. The recommendation reads the frontier
 (:func:`recommend`): its knee, and with a memory budget the fastest granularity
 that fits and the largest batch each one could run within it. Byte counts are
 exact and the same every run; step times are not, so rows whose times are
@@ -50,17 +52,40 @@ class NamedSegments:
         return "+".join(self.names)
 
 
-#: What one profile row recomputes: a granularity, or a user's segments by name.
-Selection = Granularity | NamedSegments
+@dataclass(frozen=True)
+class ToggleRun:
+    """transformers' own toggle (``--impl hf``) with these of its options, on every layer it
+    checkpoints: a row of its own, whatever ``--impl`` the other rows run."""
+
+    options: tuple[tuple[str, Any], ...] = ()
+
+    def __str__(self) -> str:
+        said = [k if v is True else f"{k}={v}" for k, v in self.options]
+        return "+".join([f"{TOGGLE_ROW}:{said[0]}", *said[1:]]) if said else TOGGLE_ROW
+
+
+#: The row name of transformers' toggle in ``--granularity`` (``hf:every_n_layers=2``).
+TOGGLE_ROW = "hf"
+
+#: What one profile row recomputes: a granularity, a user's segments by name, or
+#: transformers' own toggle.
+Selection = Granularity | NamedSegments | ToggleRun
 
 
 def parse_selection(text: str, segments: list[str] | None = None) -> Selection:
     """One item of ``--granularity``: a granularity's text form, or, for a user's model
     (``segments``: its dotted segment names), ``NAME+NAME...`` of those segments."""
     text = text.strip()
+    head = text.partition(":")[0]
+    if head == TOGGLE_ROW:
+        if segments is None:
+            raise InvalidArgument(
+                f"--granularity item {text!r} profiles transformers' own toggle, which needs "
+                f"a transformers model: add --model gradequiv.models.hf:llama (or hf:NAME, "
+                f"or a factory of your own PreTrainedModel), or leave the item out")
+        return _toggle_run(text)
     if segments is None:
         return parse_granularity(text)
-    head = text.partition(":")[0]
     if head in ("none", "layer", "every", "group", "attention", "mlp"):
         granularity = parse_granularity(text)
         if not isinstance(granularity, SINGLE_LAYERS):
@@ -78,6 +103,40 @@ def parse_selection(text: str, segments: list[str] | None = None) -> Selection:
             f"of the model; its segments are {', '.join(segments)} (join several with '+', "
             f"e.g. {'+'.join(segments[:2])})")
     return NamedSegments(names)
+
+
+def _toggle_run(text: str) -> ToggleRun:
+    """``hf``, ``hf:every_n_layers=2``, ``hf:offload`` or several joined by ``+``."""
+    from gradequiv.harness.implementations.libraries import HF_TOGGLE_OPTIONS
+    from gradequiv.harness.validate import impl_kwargs
+
+    _, colon, rest = text.partition(":")
+    items = [i.strip() for i in rest.split("+")] if colon else []
+    options = impl_kwargs([i if "=" in i else f"{i}=true" for i in items],
+                          name=f"--granularity item {text!r}:")
+    unknown = [k for k in options if k not in HF_TOGGLE_OPTIONS]
+    if unknown or (colon and not options):
+        raise InvalidArgument(
+            f"--granularity item {text!r}: {unknown[0] if unknown else rest!r} is no option "
+            f"of transformers' toggle; its options are {', '.join(HF_TOGGLE_OPTIONS)} (e.g. "
+            f"hf:every_n_layers=2, hf:offload, hf:every_n_layers=2+offload)")
+    return ToggleRun(tuple(options.items()))
+
+
+def _transformers_toggle(case: Case, row: ToggleRun) -> Implementation:
+    """``--impl hf`` with the row's options, once the case's model is a transformers one."""
+    from gradequiv.harness.implementations.resolve import resolve
+    from gradequiv.models.external import seeded_user_model
+
+    model = seeded_user_model(case.model, 0).model if isinstance(case.model, ExternalConfig) \
+        else None
+    if not (hasattr(model, "config") and (hasattr(model, "activation_checkpointing_enable")
+                                          or hasattr(model, "gradient_checkpointing_enable"))):
+        raise InvalidArgument(
+            f"--granularity item {str(row)!r} profiles transformers' own toggle, and the "
+            f"model is a {type(model).__name__}, not a transformers PreTrainedModel: leave "
+            f"the item out, or profile a transformers model (--model hf:NAME)")
+    return resolve("hf", kwargs=dict(row.options))
 
 
 @dataclass
@@ -241,6 +300,9 @@ class _Runner:
         if isinstance(granularity, NamedSegments):  # every segment, then keep those named
             self.path = build_path(replace(case, granularity=EveryLayer()), device)
             self.path.segments = [s for s in self.path.segments if s.name in granularity.names]
+        elif isinstance(granularity, ToggleRun):  # every segment: the toggle picks
+            self.path = build_path(replace(case, granularity=EveryLayer()), device)
+            impl = _transformers_toggle(case, granularity)
         else:
             self.path = build_path(replace(case, granularity=granularity), device)
         self.path.install(impl)
@@ -320,13 +382,16 @@ def profile(
     say, n = _Progress(progress, every_s=PROGRESS_EVERY_S), len(granularities)
     say.start("setup", f"building {n} models ({', '.join(map(str, granularities))}) and "
                        f"counting the memory of one step of each")
+    for g in granularities:
+        if isinstance(g, ToggleRun):
+            _transformers_toggle(case, g)  # not a transformers model: exit 2 before any step
     runners = []
     for g in granularities:
         runners.append(_Runner(case, g, impl, device))
         say.tick(f"{len(runners)} of {n} models built")
     memory = []
     for runner, g in zip(runners, granularities):
-        memory.append(runner.memory())
+        memory.append(_toggle_step(g, runner.memory))
         say.tick(f"memory of {len(memory)} of {n} counted ({g} last)")
     say.end()
     for phase, rounds, record in (("warm-up", warmup, False), ("timing", steps, True)):
@@ -382,6 +447,22 @@ def profile(
                          recommend(rows, batch=batch, unit=unit, memory_budget=memory_budget))
 
 
+def _toggle_step(row: Selection, measure: Callable[[], dict[str, int | None]]
+                 ) -> dict[str, int | None]:
+    """The first step's memory; where transformers' toggle raises in it, exit 2 with its
+    error: transformers 5.25's offload pins its host copies, which torch refuses on a
+    machine without an accelerator."""
+    try:
+        return measure()
+    except RuntimeError as exc:
+        if not isinstance(row, ToggleRun):
+            raise
+        raise InvalidArgument(
+            f"--granularity item {str(row)!r}: transformers' toggle raised in the first step: "
+            f"{type(exc).__name__}: {str(exc).splitlines()[0].rstrip('.')}; leave the item out "
+            f"here (offload needs an accelerator: --device cuda)") from exc
+
+
 def _load_average() -> list[float] | None:
     """The machine's load over 1, 5 and 15 minutes as the steps ended (None where the
     platform keeps none): step times on a loaded machine are not comparable."""
@@ -400,7 +481,7 @@ def same_configurations_once(impl: Implementation, case: Case,
         return granularities
     rows: list[Selection] = []
     for g in granularities:
-        one = g if isinstance(g, NoRecompute) else TogglesOwn()
+        one = g if isinstance(g, (NoRecompute, ToggleRun)) else TogglesOwn()
         if one not in rows:
             rows.append(one)
     return rows

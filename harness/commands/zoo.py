@@ -464,7 +464,15 @@ def _conditions() -> dict[str, Any]:
 
     transformers = _import_transformers()
     return run_conditions(torch.device("cpu"), SEED) | {
-        "transformers": transformers.__version__, "cpu": _cpu_name()}
+        "transformers": transformers.__version__, "cpu": _cpu_name(),
+        "toggle": _toggle_name(transformers)}
+
+
+def _toggle_name(transformers: Any) -> str:
+    """The name ``--impl hf`` turns checkpointing on by in this transformers (5.25 renamed
+    ``gradient_checkpointing_enable``), for the table's header."""
+    new = "activation_checkpointing_enable"
+    return new if hasattr(transformers.PreTrainedModel, new) else "gradient_checkpointing_enable"
 
 
 def _cpu_name() -> str:

@@ -66,13 +66,14 @@ class PreparedPath:
     def model(self) -> RoutedModel:
         return self.workload.model
 
-    def install(self, impl: Implementation | None) -> None:
+    def install(self, impl: Implementation | None) -> list[Segment]:
         """Route the segments through ``impl``; ``None`` calls them plainly (full storage),
-        still installed, so they stay observable as segments."""
+        still installed, so they stay observable as segments. Returns the segments a toggle
+        left plain (:meth:`Implementation.install`)."""
         if impl is not None:
-            impl.install(self.model, self.segments)
-        else:
-            self.model.router.install(self.segments, None)
+            return impl.install(self.model, self.segments)
+        self.model.router.install(self.segments, None)
+        return []
 
     def seed(self, offset: int = 0) -> None:
         """Seed the training stream (``offset``: a distributed rank's own masks)."""

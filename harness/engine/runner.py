@@ -110,6 +110,9 @@ class PathRun:
     # each segment call's return signature, in order (full storage's: what a recompute
     # path's calls must return; models.segments.Router)
     returns: list[Any] = field(default_factory=list)
+    # counted modules of the selected segments the implementation left plain (a toggle's
+    # every_n_layers): counted like the others, and none of them may re-run in backward
+    left_plain: frozenset[str] = frozenset()
 
 
 @dataclass
@@ -177,7 +180,8 @@ def run_path(
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         try:
-            path.install(impl)  # inside: what an implementation raises is a verdict
+            plain = path.install(impl)  # inside: what an implementation raises is a verdict
+            run.left_plain = frozenset(_counted_modules(names, plain))
             if router is not None and start_from is not None and compiled is None:
                 router.expected = start_from.returns  # a wrong return is named as returned
             phase = _Phase()

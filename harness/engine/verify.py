@@ -742,6 +742,14 @@ def _check_recompute(case: Case, full: PathRun, rc: PathRun, result: PropertyRes
                     f"step {k}: {module} ran {fwd} time(s) in forward on the recompute path and "
                     f"{full_fwd} on the full-storage path"
                 )
+            if module in rc.left_plain:  # the toggle said it keeps this one's activations
+                if bwd > 0 or read_bwd > 0:
+                    result.failures.append(
+                        f"step {k}: {module} ran again in backward ({bwd} forward call(s), "
+                        f"{read_bwd} op(s) on its parameters with grad on), but the "
+                        f"implementation said it left it out of its checkpointing: it keeps "
+                        f"its activations, nothing of it was to recompute")
+                continue
             if with_grad == 0:  # its forwards all ran under no_grad: nothing to re-run
                 if bwd > 0:
                     result.failures.append(
@@ -770,10 +778,13 @@ def _check_recompute(case: Case, full: PathRun, rc: PathRun, result: PropertyRes
                     f"step {k}: {module} ran {bwd} time(s) in backward and {to_recompute} in "
                     f"forward; each of its forwards must be recomputed once"
                 )
-    if idle:
-        result.summary = "; ".join([_summary(result)] + [
-            f"not applicable on step{'s' * (len(ks) > 1)} {', '.join(ks)}: {what}"
-            for what, ks in idle.items()])
+    notes = [f"not applicable on step{'s' * (len(ks) > 1)} {', '.join(ks)}: {what}"
+             for what, ks in idle.items()]
+    if rc.left_plain:
+        notes.append(f"{', '.join(sorted(rc.left_plain))} left out of the checkpointing by "
+                     f"the implementation and not re-run")
+    if notes:
+        result.summary = "; ".join([_summary(result), *notes])
     _check_leaks(full, rc, result)
     _check_freed(full, rc, result, selective=selective)
     _check_backward_peak(full, rc, result)

@@ -6,7 +6,10 @@ calling convention, called where the model would call the segment.
 ``toggle``: ``impl(model)``, given the user's own model (never gradequiv's wrapper of
 it); the model turns recompute on itself (HF's ``gradient_checkpointing_enable``). A
 toggle with a ``segments`` parameter is handed the selected segments' dotted names; one
-without chooses its own segments (:attr:`Implementation.chooses_segments`).
+without chooses its own segments (:attr:`Implementation.chooses_segments`). A toggle
+that checkpoints fewer than it is handed (transformers' ``every_n_layers``) returns the
+dotted names of the modules it does checkpoint: the segments outside them are left plain,
+and must then not run again in backward.
 Turning a SPEC into one of these is :mod:`.resolve`'s job.
 """
 
@@ -110,12 +113,14 @@ class Implementation:
             )
         _declared(self.target)  # a misspelt grad mode is exit 2 now, not a mode never drawn
 
-    def install(self, model: nn.Module, segments: list[Segment]) -> None:
-        """Route the selected ``segments`` of ``model`` through this implementation."""
+    def install(self, model: nn.Module, segments: list[Segment]) -> list[Segment]:
+        """Route the selected ``segments`` of ``model`` through this implementation; return
+        those a toggle left plain (it said which modules it checkpoints: none of them is or
+        is inside one of those), which must then not re-run."""
         router = cast(Router, getattr(model, "router"))  # noqa: B009  # a RoutedModel's
         router.install(segments, None)
         if not segments:
-            return
+            return []
         if self.adapter == "function":
             target, options = self.target, self.kwargs
 
@@ -141,7 +146,9 @@ class Implementation:
         else:  # the user's own model; the selected segments where the toggle takes them
             chosen = {"segments": [s.name for s in segments]} \
                 if takes_segments(self.target) else {}
-            self.target(user_view(model), **chosen, **self.kwargs)
+            return _left_plain(segments, self.target(user_view(model), **chosen,
+                                                     **self.kwargs))
+        return []
 
     def command_args(self) -> list[str]:
         """The command-line options that name this implementation again."""
@@ -188,6 +195,16 @@ def takes_segments(target: Callable[..., Any]) -> bool:
         return False
     return parameter is not None and parameter.kind in (
         inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
+
+
+def _left_plain(segments: list[Segment], checkpointed: Any) -> list[Segment]:
+    """The ``segments`` outside every module a toggle says it checkpoints (its return: a
+    list of dotted names; anything else says nothing, and every segment is checkpointed)."""
+    if not isinstance(checkpointed, (list, tuple)) or \
+            not all(isinstance(name, str) for name in checkpointed):
+        return []
+    return [s for s in segments
+            if not any(s.name == name or s.name.startswith(name + ".") for name in checkpointed)]
 
 
 def _call_wrapped(wrapped: Callable[..., Any], _function: Callable[..., Any], /, *args: Any,

@@ -254,27 +254,37 @@ HF_NEEDS_MODEL = (
     "gradequiv.models.hf:llama (or :gpt2, or a factory of your own PreTrainedModel)")
 
 
-#: options of transformers' own toggle (5.25 on), not of torch's checkpoint: ``offload``
-#: keeps what the re-run starts from in host memory
-HF_TOGGLE_OPTIONS = ("offload",)
+#: options of transformers' own toggle (5.25 on), not of torch's checkpoint:
+#: ``every_n_layers`` checkpoints every n-th of its layers, ``offload`` keeps what the
+#: re-run starts from in host memory
+HF_TOGGLE_OPTIONS = ("every_n_layers", "offload")
 
 
 def hf_gradient_checkpointing(model: nn.Module, *, segments: list[str] | None = None,
-                              **checkpoint_kwargs: Any) -> None:
+                              **checkpoint_kwargs: Any) -> list[str] | None:
     """The model's own toggle, as users call it: ``activation_checkpointing_enable()``
     (transformers 5.25 on; ``gradient_checkpointing_enable()``, deprecated there, before);
     ``--impl-kwarg`` options become the checkpoint's keyword arguments (non-reentrant unless
-    ``use_reentrant=true``), ``offload`` the toggle's own.
+    ``use_reentrant=true``), ``every_n_layers`` and ``offload`` the toggle's own.
 
-    transformers turns recompute on for every checkpointing layer; those not among
-    ``segments`` (the selected segments' dotted names) are turned back off, so ``every:2``
-    means every second layer here too. The model comes from ``--model`` (a factory of a
-    ``PreTrainedModel`` or a PEFT model of one, e.g. ``gradequiv.models.hf:llama``).
+    transformers turns recompute on for every checkpointing layer (every n-th with
+    ``every_n_layers``, counted over the model's ``GradientCheckpointingLayer``s); those not
+    among ``segments`` (the selected segments' dotted names) are turned back off, so
+    ``every:2`` means every second layer here too. Both at once, a layer recomputes where
+    both select it. With ``every_n_layers`` it returns the dotted names of the layers left
+    recomputing, so the harness checks that exactly those re-run and the others do not.
+    The model comes from ``--model`` (a factory of a ``PreTrainedModel`` or a PEFT model of
+    one, e.g. ``gradequiv.models.hf:llama``).
     """
     layers = _library("hf", "transformers.modeling_layers")
     if not hasattr(model, "config"):
         raise InvalidArgument(HF_NEEDS_MODEL)
     toggle = {k: checkpoint_kwargs.pop(k) for k in HF_TOGGLE_OPTIONS if k in checkpoint_kwargs}
+    every = toggle.get("every_n_layers", 1)
+    if isinstance(every, bool) or not isinstance(every, int) or every < 1:
+        raise InvalidArgument(
+            f"--impl-kwarg every_n_layers={every!r}: transformers checkpoints every n-th "
+            f"layer, so it must be a whole number >= 1; write e.g. every_n_layers=2")
     kwargs = {"use_reentrant": False, **checkpoint_kwargs}
     enable = getattr(model, "activation_checkpointing_enable", None)
     if enable is not None:
@@ -285,16 +295,20 @@ def hf_gradient_checkpointing(model: nn.Module, *, segments: list[str] | None = 
             raise InvalidArgument(HF_NEEDS_MODEL)
         if toggle:
             raise InvalidArgument(
-                f"--impl-kwarg {', '.join(toggle)}: an option of transformers' "
-                f"activation_checkpointing_enable (5.25 and later); this transformers has "
-                f"only gradient_checkpointing_enable: upgrade it or leave the option out")
+                f"--impl-kwarg {', '.join(f'{k}={v}' for k, v in toggle.items())}: an option "
+                f"of transformers' activation_checkpointing_enable (5.25 and later); this "
+                f"transformers has only gradient_checkpointing_enable: upgrade it (pip "
+                f"install -c ci/constraints.txt 'gradequiv[hf]') or leave the option out")
         enable(gradient_checkpointing_kwargs=kwargs)
-    if segments is None:
-        return
-    chosen = {id(model.get_submodule(name)) for name in segments}
-    for module in model.modules():
-        if isinstance(module, layers.GradientCheckpointingLayer) and id(module) not in chosen:
-            module.gradient_checkpointing = False
+    chosen = None if segments is None else {id(model.get_submodule(name)) for name in segments}
+    on = []
+    for name, module in model.named_modules():
+        if isinstance(module, layers.GradientCheckpointingLayer) and module.gradient_checkpointing:
+            if chosen is not None and id(module) not in chosen:
+                module.gradient_checkpointing = False
+            else:
+                on.append(name)
+    return on if every > 1 else None
 
 
 # -- diffusers: the model's own gradient checkpointing (a toggle) -------------------------

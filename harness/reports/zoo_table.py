@@ -74,7 +74,8 @@ def markdown(data: dict[str, Any]) -> str:
         f"route takes a loss from ({', '.join(data['heads'])}), and that sets "
         f"`supports_gradient_checkpointing`, built "
         f"tiny and random-initialised by that route (two layers, 32 wide, dropout on), and "
-        f"checked by `--impl hf` (its own `gradient_checkpointing_enable()`) against full "
+        f"checked by `--impl hf` (its own `{c.get('toggle', 'gradient_checkpointing_enable')}()`)"
+        f" against full "
         f"storage: non-reentrant (the default) and reentrant (`--impl-kwarg "
         f"use_reentrant=true`), each in fp32 and under bf16 autocast; one case each "
         f"(granularity layer, seed {SEED}, {data['steps']} optimizer steps).{scope} Made by:",
