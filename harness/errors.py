@@ -86,7 +86,8 @@ def user_frames(traceback: str, *, limit: int = 3) -> list[str]:
 
 def is_users(path: str) -> bool:
     """Whether a source file is the user's: not the harness's (``gradequiv.harness``,
-    ``gradequiv.properties``), not torch's nor the test runner's, not Python's own."""
+    ``gradequiv.properties``, the segment router), not torch's nor the test runner's, not
+    Python's own. A model's file is the user's, the reference models' included."""
     import sysconfig
     from pathlib import Path
 
@@ -94,7 +95,9 @@ def is_users(path: str) -> bool:
         return False
     here = Path(__file__).resolve().parent
     file = Path(path)
-    if any(file.is_relative_to(ours) for ours in (here, here.parent / "properties")):
+    # the router that calls a segment through the implementation is the harness's too
+    ours = (here, here.parent / "properties", here.parent / "models" / "segments.py")
+    if any(file.is_relative_to(mine) for mine in ours):
         return False
     parts = file.parts
     for marker in ("site-packages", "dist-packages"):

@@ -427,20 +427,23 @@ def _symptom(verdict: Verdict) -> str:
 def _captured(impl: Implementation, case: Case) -> dict[str, Any] | None:
     """The tensor arguments of the segments the implementation captured instead of passing
     (``engine/captured.py``), where the case raised a backward through a freed graph or lost
-    a gradient: each one whose passing as an input takes that away (one verify apiece), and
-    the line of the user's code that calls the segment. None where none was."""
+    a gradient: each one whose own tensors reached the segment with grad off and whose
+    passing as an input takes that away (one verify apiece), and the line of the user's
+    code that calls the segment. None where none was."""
     from gradequiv.harness.engine.captured import passing, watched
 
     run = runtime.RUN
     device = run.device()
-    verdict = run.cache.get(impl, case, device)
-    if impl.adapter != "function" or verdict is None or not _symptom(verdict):
+    if impl.adapter != "function":
+        return None
+    verdict = run.cache.get(impl, case, device) or verify(impl, case, device=device)
+    if not _symptom(verdict):
         return None
     watching, calls = watched(impl)
     verify(watching, case, device=device, tolerance=run.tolerance(case))
-    names = [argument.name for argument in calls.arguments
-             if not _symptom(verify(passing(impl, argument), case, device=device,
-                                    tolerance=run.tolerance(case)))]
+    names = [argument.name for argument in calls.arguments if argument.name in calls.seen
+             and not _symptom(verify(passing(impl, argument), case, device=device,
+                                     tolerance=run.tolerance(case)))]
     if not names:
         return None
     return {"arguments": names, "symptom": _symptom(verdict), "frame": calls.frame}

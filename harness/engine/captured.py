@@ -9,7 +9,9 @@ inputs requires grad, nothing is recomputed and their gradients are lost. The ex
 that tells which argument: the same case with one argument at a time handed to the
 implementation as positional tensors (:func:`passing`); the argument whose passing takes
 the fault away is the one captured. :func:`watched` records the arguments a segment is
-called with and the line of the user's code that calls it.
+called with, which of them reach it as the caller's own tensors with grad off (inside a
+Function's forward: the mark of one captured, where a detached copy is one dropped), and
+the line of the user's code that calls it.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+from torch import nn
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from gradequiv.harness.errors import is_users
@@ -44,10 +47,12 @@ class Argument:
 
 @dataclass
 class Calls:
-    """What :func:`watched` saw of the first call: the tensor-holding keyword arguments
-    and nested positional ones, and the user's line that called the segment."""
+    """What :func:`watched` saw: the tensor-holding keyword arguments and nested positional
+    ones of the first call, those whose own tensors (requiring grad) reached the segment
+    with grad off (``seen``), and the user's line that called the segment."""
 
     arguments: list[Argument] = field(default_factory=list)
+    seen: set[str] = field(default_factory=set)
     frame: str = ""
 
 
@@ -72,6 +77,38 @@ def _holds_tensor(value: Any) -> bool:
     return any(isinstance(leaf, torch.Tensor) for leaf in tree_flatten(value)[0])
 
 
+def _value(argument: Argument, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    if argument.keyword:
+        return kwargs.get(argument.name)
+    return args[argument.index] if argument.index < len(args) else None
+
+
+def _same_tensors(given: Any, original: Any) -> bool:
+    """Whether ``given`` holds the very tensors of ``original``, one of them requiring grad."""
+    theirs = [t for t in tree_flatten(original)[0] if isinstance(t, torch.Tensor)]
+    ours = [t for t in tree_flatten(given)[0] if isinstance(t, torch.Tensor)]
+    return len(ours) == len(theirs) and any(t.requires_grad for t in theirs) and all(
+        a is b for a, b in zip(ours, theirs))
+
+
+class _Segment(nn.Module):
+    """A segment module's stand-in: the same parameters (an implementation may read them),
+    called through ``call``."""
+
+    def __init__(self, module: nn.Module, call: Callable[..., Any]) -> None:
+        super().__init__()
+        self.module = module
+        self._call = call
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        return self._call(*args, **kwargs)
+
+
+def _standing_in(function: Any, call: Callable[..., Any]) -> Any:
+    """``call`` in ``function``'s place, a module where ``function`` is one."""
+    return _Segment(function, call) if isinstance(function, nn.Module) else call
+
+
 def _caller() -> str:
     """The innermost frame of the user's code on the stack: ``file:line in function:
     source``, or "" where none is."""
@@ -91,15 +128,19 @@ def watched(impl: Implementation) -> tuple[Implementation, Calls]:
 
     @functools.wraps(target)
     def call(function: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        arguments = _arguments(function, args, kwargs)
         if not calls.arguments:
-            calls.arguments = _arguments(function, args, kwargs)
+            calls.arguments = arguments
 
         def segment(*inner: Any, **inner_kwargs: Any) -> Any:
             if not calls.frame:
                 calls.frame = _caller()
+            if not torch.is_grad_enabled():
+                calls.seen.update(a.name for a in arguments if _same_tensors(
+                    _value(a, inner, inner_kwargs), _value(a, args, kwargs)))
             return function(*inner, **inner_kwargs)
 
-        return target(segment, *args, **kwargs)
+        return target(_standing_in(function, segment), *args, **kwargs)
 
     return dataclasses.replace(impl, target=call), calls
 
@@ -128,6 +169,7 @@ def passing(impl: Implementation, argument: Argument) -> Implementation:
                 given[argument.index] = tree_unflatten(filled, spec)
             return function(*given, **named)
 
-        return target(rebound, *args, *(leaves[i] for i in slots), **rest)
+        return target(_standing_in(function, rebound), *args, *(leaves[i] for i in slots),
+                      **rest)
 
     return dataclasses.replace(impl, target=call)
