@@ -118,3 +118,13 @@ def test_the_user_s_frames_are_those_outside_the_harness_torch_and_python() -> N
         "/venv/lib/python3.11/site-packages/mylib/layers.py:7 in forward: return self.proj(x)"]
     assert user_frames(traceback, limit=1) == [
         "/venv/lib/python3.11/site-packages/mylib/layers.py:7 in forward: return self.proj(x)"]
+
+
+def test_an_exception_s_user_frame_is_in_the_report_and_the_summary(tmp_path: Path) -> None:
+    code, out, report = _check(tmp_path, "--impl", "wrong_impls:raises_in_backward",
+                               "--case", "1L-layer-dropout")
+    assert code == 1
+    frames = next(c for c in report["cases"] if c["error"])["user_frames"]
+    assert frames[-1].startswith(f"{Path(__file__).parent / 'wrong_impls.py'}:")
+    assert frames[-1].endswith('raise RuntimeError("recompute buffer was freed before backward")')
+    assert f"(in your code at {frames[-1]})" in out
