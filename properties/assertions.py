@@ -156,13 +156,16 @@ def search_further(impl: Implementation, node: pytest.Item, search: Callable[[],
 
 
 def learn_causes(impl: Implementation, node: pytest.Item) -> None:
-    """Add the causes of ``node``'s failures so far to the run's known causes."""
+    """Add the causes of ``node``'s failures so far to the run's known causes, and how they
+    look before localisation to the known looks (a shrink, told by looks alone, must not
+    walk back to a failure already found)."""
     run = runtime.RUN
     device = run.device()
     for failure in _failures(node):
         verdict = run.cache.get(impl, Case.from_dict(failure["case"]), device)
         if verdict is not None:
             run.known_causes |= _causes(impl, failure, verdict, device)
+            run.known_looks.add(_looks(impl, verdict, failure, device))
 
 
 def _failures(node: pytest.Item) -> list[dict[str, Any]]:
