@@ -55,3 +55,54 @@ def torch_refusal(traceback: str) -> str:
     raised = exception_line(traceback)
     return next((f"{what} ({raised})" for words, what in _TORCH_REFUSALS if words in raised),
                 "")
+
+
+#: A frame of a formatted traceback or stack: its file, line and function, and the source
+#: line under it where Python printed one.
+_FRAME = re.compile(r'^\s*File "(?P<file>[^"]+)", line (?P<line>\d+), in (?P<function>.+)$')
+#: The packages whose frames are no user's code: the harness's own, torch's, the test
+#: runner's and Python's.
+_NOT_USERS = ("torch", "_pytest", "pytest", "pluggy", "hypothesis", "typing_extensions")
+
+
+def user_frames(traceback: str, *, limit: int = 3) -> list[str]:
+    """The frames of ``traceback`` in the user's code (an implementation's file, a model's),
+    innermost last, each ``file:line in function: source``; at most ``limit`` of them, the
+    innermost ones. A traceback from a case runs through the harness and torch; the frame
+    that says which line of the user's own file did it is what a reader needs."""
+    lines = traceback.splitlines()
+    found = []
+    for i, line in enumerate(lines):
+        match = _FRAME.match(line)
+        if match is None or not is_users(match["file"]):
+            continue
+        source = lines[i + 1].strip() if i + 1 < len(lines) else ""
+        if _FRAME.match(source) or not source or source.startswith(("^", "~")):
+            source = ""
+        said = f"{match['file']}:{match['line']} in {match['function']}"
+        found.append(f"{said}: {source}" if source else said)
+    return found[-limit:] if limit else []
+
+
+def is_users(path: str) -> bool:
+    """Whether a source file is the user's: not the harness's (``gradequiv.harness``,
+    ``gradequiv.properties``, the segment router), not torch's nor the test runner's, not
+    Python's own. A model's file is the user's, the reference models' included."""
+    import sysconfig
+    from pathlib import Path
+
+    if path.startswith("<"):  # <frozen ...>, <string>
+        return False
+    here = Path(__file__).resolve().parent
+    file = Path(path)
+    # the router that calls a segment through the implementation is the harness's too
+    ours = (here, here.parent / "properties", here.parent / "models" / "segments.py")
+    if any(file.is_relative_to(mine) for mine in ours):
+        return False
+    parts = file.parts
+    for marker in ("site-packages", "dist-packages"):
+        if marker in parts:
+            after = parts[parts.index(marker) + 1:]
+            return not after or after[0].split(".")[0] not in _NOT_USERS
+    stdlib = Path(sysconfig.get_paths()["stdlib"])
+    return not file.is_relative_to(stdlib)

@@ -9,6 +9,9 @@ its own kind.
 
 from __future__ import annotations
 
+import copy
+import json
+from collections.abc import Callable
 from typing import Any
 
 import pytest
@@ -16,6 +19,7 @@ from hypothesis import currently_in_test_context, event, reject, target
 
 from gradequiv.harness import Case, Implementation, Verdict, verify
 from gradequiv.harness.engine.verify import verify_without_autocast_cache
+from gradequiv.harness.errors import user_frames
 from gradequiv.harness.reports.diagnosis import MEMORY_FINDINGS, divergence_cause, state_name
 from gradequiv.harness.reports.report import (
     SHRINK_KEY,
@@ -26,6 +30,7 @@ from gradequiv.harness.reports.report import (
 from gradequiv.properties import runtime
 
 CASE_KEY, FAILURE_KEY = runtime.CASE_KEY, runtime.FAILURE_KEY
+FURTHER_SEARCHES = runtime.FURTHER_SEARCHES
 
 
 def assert_property(name: str, impl: Implementation, case: Case, node: pytest.Item, *,
@@ -46,16 +51,21 @@ def assert_property(name: str, impl: Implementation, case: Case, node: pytest.It
             reject()  # a drawn case: draw another
         pytest.skip(f"{case.describe()}: {declined}")
     device = run.device()
-    # After a test's first failure, every new case it runs is Hypothesis shrinking it:
-    # counted in the report, not kept (only the minimal one is).
-    shrinking = any(key == FAILURE_KEY for key, _ in node.user_properties)
+    # After a test's first failure (of this search), every new case it runs is Hypothesis
+    # shrinking it: counted in the report, not kept (only the minimal one is).
+    search = run.further.get(node.name, 0)
+    shrinking = any(f.get("search", 0) == search for f in _failures(node))
     if shrinking and not run.cache.has(impl, case, device):
         smallest = run.shrinking[1] if run.shrinking else case
         # Not tried: a case costlier than the smallest failure so far (Hypothesis's order of
         # choices is not one of cost: a smaller first choice can mean a bigger model), and
         # any new case once the shrink budget is spent. Hypothesis reports the smallest.
-        if case.cost() > smallest.cost() or not run.may_shrink(node.name):
+        budget = f"{node.name}, search {search}" if search else node.name
+        if case.cost() > smallest.cost() or not run.may_shrink(budget):
             reject()
+    if search and not shrinking and not run.cache.has(impl, case, device) \
+            and run.further_draws >= run.options.max_examples:
+        reject()  # the further searches' new draws are spent: the cached ones stay free
     # A shrink try asks about its own property only: the cheapest verdict that tells it.
     verdict, fresh = run.cache.verify(impl, case, device,
                                       probe=name if shrinking else None)
@@ -83,21 +93,29 @@ def assert_property(name: str, impl: Implementation, case: Case, node: pytest.It
                "case": case.to_dict(), "description": case.describe(), "reproduce": command}
     if fresh_only:
         failure["fresh_process_only"] = True
+    if search and found_by is None:
+        if fresh and not shrinking:
+            run.further_draws += 1
+        if not _new_cause(impl, verdict, failure, device, shrinking=shrinking):
+            return  # a fault already found: this search looks past it
+        failure["search"] = search
     if found_by is not None:
         failure["found_by"] = found_by
-    elif not shrinking and currently_in_test_context():
+    elif not shrinking and not search and currently_in_test_context():
         same = _same_cause_as(impl, verdict, failure, device)
         if same is not None:  # the fault has its minimal case: shrinking would find it again
             run.unshrunk[node.name] = same
             run.stop_shrinking(node.name)
-    if node.name in run.unshrunk:
+    if node.name in run.unshrunk and not search:
         failure["same_cause_as"] = run.unshrunk[node.name]
-    node.user_properties[:] = [p for p in node.user_properties if p[0] != FAILURE_KEY]
+    node.user_properties[:] = [p for p in node.user_properties if p[0] != FAILURE_KEY
+                               or p[1].get("search", 0) != search]  # type: ignore[attr-defined]
     node.user_properties.append((FAILURE_KEY, failure))
     run.shrinking = (node.name, case)  # the smallest failure so far, for progress lines
     found = f" (the minimal failure of {found_by}; not searched again)" if found_by else ""
+    frames = "".join(f"\n  in your code: {frame}" for frame in user_frames(verdict.error or ""))
     pytest.fail(
-        f"property {name!r} failed for {case.describe()}{found}\n  {message}\n"
+        f"property {name!r} failed for {case.describe()}{found}\n  {message}{frames}\n"
         f"  case: {case.to_json()}\n  reproduce: {command}",
         pytrace=False,
     )
@@ -112,6 +130,76 @@ def assert_known_failures(name: str, impl: Implementation, node: pytest.Item) ->
         verdict, _ = run.cache.verify(impl, case, run.device())
         if _failure(name, verdict):
             assert_property(name, impl, case, node, found_by=found_by)
+
+
+def search_further(impl: Implementation, node: pytest.Item, search: Callable[[], None]) -> None:
+    """After a test failed: search again, up to ``FURTHER_SEARCHES`` times, each time for a
+    failure with a cause no failure of the run has shown yet (failures with known causes
+    count as passes); stop at the first search that finds none. Each search draws the same
+    cases from the same seed (those tried before come from the cache) and goes on past
+    them, within the run's examples; its new failure is shrunk and kept beside the first."""
+    run = runtime.RUN
+    if run.options.case is not None:  # one case, whose every fault its diagnosis names
+        return
+    for number in range(1, FURTHER_SEARCHES + 1):
+        learn_causes(impl, node)
+        run.further[node.name] = number
+        try:
+            search()
+        except pytest.fail.Exception:
+            continue  # another cause: look for one more
+        except Exception:  # noqa: BLE001  # nothing left to draw (all rejected): done
+            break
+        finally:
+            run.further.pop(node.name, None)
+        break
+
+
+def learn_causes(impl: Implementation, node: pytest.Item) -> None:
+    """Add the causes of ``node``'s failures so far to the run's known causes, and how they
+    look before localisation to the known looks (a shrink, told by looks alone, must not
+    walk back to a failure already found)."""
+    run = runtime.RUN
+    device = run.device()
+    for failure in _failures(node):
+        verdict = run.cache.get(impl, Case.from_dict(failure["case"]), device)
+        if verdict is not None:
+            run.known_causes |= _causes(impl, failure, verdict, device)
+            run.known_looks.add(_looks(impl, verdict, failure, device))
+
+
+def _failures(node: pytest.Item) -> list[dict[str, Any]]:
+    """The failures ``node`` has recorded: its first search's, then its further ones'."""
+    return [value for key, value in node.user_properties
+            if key == FAILURE_KEY and isinstance(value, dict)]
+
+
+def _new_cause(impl: Implementation, verdict: Verdict, failure: dict[str, Any],
+               device: Any, *, shrinking: bool) -> bool:
+    """Whether ``failure``, met by a further search, has a cause the run has not found yet.
+    Told first by its looks (its causes before localisation: cheap), then, for looks not
+    seen, by its localised causes; a shrink try only by its looks."""
+    run = runtime.RUN
+    looks = _looks(impl, verdict, failure, device)
+    if looks <= run.known_causes or looks in run.known_looks:
+        return False
+    if shrinking:  # localising every try would cost more than the search
+        return True
+    if _causes(impl, failure, verdict, device) <= run.known_causes:
+        run.known_looks.add(looks)
+        return False
+    return True
+
+
+def _looks(impl: Implementation, verdict: Verdict, failure: dict[str, Any],
+           device: Any) -> frozenset[str]:
+    """The causes the diagnosis gives ``failure`` from its case's record alone, before any
+    localisation (no verify: pure Python on the record)."""
+    from gradequiv.harness.reports.diagnosis import diagnose, fault_key
+
+    diagnosis = diagnose(failure, verdict_record(impl, verdict, device,
+                                                 reproduce=failure["reproduce"]))
+    return frozenset(fault_key(f["cause"], f["sentence"]) for f in diagnosis.faults)
 
 
 def _same_cause_as(impl: Implementation, verdict: Verdict, failure: dict[str, Any],
@@ -192,7 +280,21 @@ def replay_passes(impl: Implementation, failure: dict[str, Any]) -> bool:
 
 def locate(impl: Implementation, failure: dict[str, Any], *, named: bool = False) -> None:
     """Add to a minimal failure the first recompute op that differs from the original
-    forward (``localisation``, and ``first_diverging_op`` when one is found).
+    forward (``localisation``, and ``first_diverging_op`` when one is found), and what the
+    experiments beside it found; once per case and property in a run (a further search
+    asks of a failure's causes before the report does)."""
+    memo = ("located fields", json.dumps([runtime.implementation_key(impl), failure["case"],
+                                          failure["property"], named], sort_keys=True))
+    located = runtime.RUN.cache.located
+    if memo not in located:
+        found = dict(failure)
+        _locate(impl, found, named=named)
+        located[memo] = {k: v for k, v in found.items() if k not in failure or failure[k] != v}
+    failure.update(copy.deepcopy(located[memo]))
+
+
+def _locate(impl: Implementation, failure: dict[str, Any], *, named: bool = False) -> None:
+    """:func:`locate`'s work.
 
     ``named``: the failure is a named case's. One whose case differs from full storage in
     memory figures only is not searched: every value the op-level search compares already
@@ -220,6 +322,9 @@ def locate(impl: Implementation, failure: dict[str, Any], *, named: bool = False
     beside = _beside_torch(impl, case, found.model)
     if beside is not None:
         failure["torch_checkpoint"] = beside
+    captured = _captured(impl, case)
+    if captured is not None:
+        failure["captured"] = captured
     # The experiments below (each a verify or more) only where the op names no cause.
     if divergence_cause(failure["first_diverging_op"]) is None:
         failure["needs_pattern"] = _patterns_needed(impl, case, failure["property"])
@@ -305,6 +410,46 @@ def _patterns_needed(impl: Implementation, case: Case, prop: str) -> list[str]:
     for name in patterns:
         bare = bare.loop_patterns()[name]
     return list(patterns) if _failure(prop, verify(impl, bare, device=device)) == "" else []
+
+
+#: What torch says where a backward walks a graph an earlier backward freed.
+FREED_GRAPH = "backward through the graph a second time"
+
+
+def _symptom(verdict: Verdict) -> str:
+    """What a captured argument does to a case: "freed" (a backward through a graph the
+    re-run's inner backward freed), "lost" (a gradient full storage has and the recompute
+    path not), or ""."""
+    if verdict.error is not None:
+        return "freed" if FREED_GRAPH in verdict.error else ""
+    lost = any("absent on the recompute path" in text or "exists only on the full-storage" in text
+               for p in verdict.properties for text in p.failures)
+    return "lost" if lost else ""
+
+
+def _captured(impl: Implementation, case: Case) -> dict[str, Any] | None:
+    """The tensor arguments of the segments the implementation captured instead of passing
+    (``engine/captured.py``), where the case raised a backward through a freed graph or lost
+    a gradient: each one whose own tensors reached the segment with grad off and whose
+    passing as an input takes that away (one verify apiece), and the line of the user's
+    code that calls the segment. None where none was."""
+    from gradequiv.harness.engine.captured import passing, watched
+
+    run = runtime.RUN
+    device = run.device()
+    if impl.adapter != "function":
+        return None
+    verdict = run.cache.get(impl, case, device) or verify(impl, case, device=device)
+    if not _symptom(verdict):
+        return None
+    watching, calls = watched(impl)
+    verify(watching, case, device=device, tolerance=run.tolerance(case))
+    names = [argument.name for argument in calls.arguments if argument.name in calls.seen
+             and not _symptom(verify(passing(impl, argument), case, device=device,
+                                     tolerance=run.tolerance(case)))]
+    if not names:
+        return None
+    return {"arguments": names, "symptom": _symptom(verdict), "frame": calls.frame}
 
 
 def _holds_without_autocast_cache(impl: Implementation, case: Case, prop: str) -> bool:

@@ -32,6 +32,14 @@ NOT_APPLICABLE_SKIP = ": not applicable: "
 #: machine's speed (``--shrink-budget`` adds a limit in seconds).
 SHRINK_TRIES = 25
 
+#: Further searches a failing property test makes, each for a failure whose causes are not
+#: all known yet (``properties/assertions.py``, ``learn_causes``): so a run names every fault
+#: it can reach, not the first one each test meets. They draw the same cases as the first
+#: searches (from the cache) and go on past them, all of a run's further searches together
+#: at most the run's examples of new cases (``--examples``), and each shrinks its new
+#: failure within ``SHRINK_TRIES``; a passing test makes none.
+FURTHER_SEARCHES = 2
+
 #: Whether named cases run in fresh processes ahead of their tests, beside this process's
 #: work: where a second core is free for them (this process runs its cases on one thread
 #: unless told otherwise), not on one core.
@@ -221,6 +229,15 @@ class SuiteState:
         self._shrinks: dict[str, list[float]] = {}  # test -> [new cases tried, start]
         #: test -> the earlier test whose minimal failure has its failure's every cause
         self.unshrunk: dict[str, str] = {}
+        #: test -> which further search it is making (1, 2, ...); absent: its first
+        self.further: dict[str, int] = {}
+        #: the causes (``diagnosis.fault_key``) of the failures found so far, and the causes
+        #: a failure looks like before it is localised (``assertions._looks``) where it
+        #: turned out to have known causes only: a further search looks past both
+        self.known_causes: set[str] = set()
+        self.known_looks: set[frozenset[str]] = set()
+        #: new cases the further searches of the run drew (their budget: the run's examples)
+        self.further_draws = 0
         #: a drawn test's minimal failure came back when replayed outside the cache
         self.failed_for_certain = False
         #: the pytest command line of a run started by pytest itself (None: by ``check``)

@@ -33,7 +33,11 @@ from gradequiv.harness.engine.spread import compile_cases, load_case
 from gradequiv.harness.implementations.compiled import is_compile_spec
 from gradequiv.models.kinds import BATCHNORM
 from gradequiv.properties import runtime
-from gradequiv.properties.assertions import assert_known_failures, assert_property
+from gradequiv.properties.assertions import (
+    assert_known_failures,
+    assert_property,
+    search_further,
+)
 from gradequiv.properties.strategies import cases, compiled_cases, external_cases
 
 OPTIONS = runtime.RUN.options
@@ -84,14 +88,23 @@ def _suite(test: Callable[..., None]) -> Callable[..., None]:
                                HealthCheck.data_too_large],
     )
     search = profile(seed(OPTIONS.draw_seed)(given(case=_drawn_cases())(test)))
+    # A failing test's further searches for other causes (``search_further``): the same
+    # draws, none saved to the example database (a failure of a known cause passes there).
+    further = settings(profile, database=None)(
+        seed(OPTIONS.draw_seed)(given(case=_drawn_cases())(test)))
     prop = test.__name__.removeprefix("test_")
 
     @functools.wraps(search)
     def run(recompute_impl: Implementation, request: Any) -> None:
-        # A fault usually fails several properties: where a minimal case an earlier test
-        # shrank to fails this one too, it is this test's failure, found without a search.
-        assert_known_failures(prop, recompute_impl, request.node)
-        search(recompute_impl=recompute_impl, request=request)
+        try:
+            # A fault usually fails several properties: where a minimal case an earlier test
+            # shrank to fails this one too, it is this test's failure, found without a search.
+            assert_known_failures(prop, recompute_impl, request.node)
+            search(recompute_impl=recompute_impl, request=request)
+        except pytest.fail.Exception:
+            search_further(recompute_impl, request.node,
+                           lambda: further(recompute_impl=recompute_impl, request=request))
+            raise
 
     return run
 

@@ -51,7 +51,7 @@ EXPECTED = {
     "grads-without-graph": ("2L-layer-create-graph-manual-attn", "second-order-lost"),
     "stash-kept-after-warmup": ("1L-layer-dropout", "leak"),
     "grad-mode-forced-on": ("2L-layer-frozen-first-layer", "grad-mode-ignored"),
-    "nested-tensors-no-grad": ("nested", "input-grads-dropped"),
+    "nested-tensors-no-grad": ("nested", "input-captured"),
     "rng-devices-from-positional": ("nested-dropout", "rng-not-restored"),
     "autocast-device-from-first-arg": ("nested-bf16-autocast", "autocast-lost"),
     "matmul-outputs-cached": ("inplace-manual", "saved-output-changed"),

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -77,6 +78,18 @@ def diagnosed(spec: str | Implementation, name: str | Case) -> tuple[str, str, d
      '`gradequiv_unsupported = ("autograd-grad",)`'),  # the declaration that settles it
     (FAULTS + "grad_mode_forced_on", "2L-layer-frozen-first-layer", "grad-mode-ignored",
      "under no_grad"),
+    # a keyword tensor in a closure: torch raises from its engine, with no frame of the
+    # user's; the argument is found by passing it, and the closure's line by watching
+    ("naive_impls:only_closure", "2L-layer-aux-shared-x0kw-dropout", "input-captured",
+     "`x0`"),
+    ("naive_impls:only_closure", "2L-layer-aux-shared-x0kw-dropout", "input-captured",
+     "naive_impls.py:"),
+    # detached, not captured: the segment is given a copy, and the gradient is dropped
+    (FAULTS + "kwarg_tensors_detached", "2L-layer-aux-shared-x0kw-dropout",
+     "input-grads-dropped", "keyword argument"),
+    # an exception with the user's frame in its traceback: the sentence ends with it
+    ("wrong_impls:raises_in_backward", "1L-layer-dropout", "raised",
+     "in your code at " + str(Path(__file__).parent / "wrong_impls.py")),
     (FAULTS + "stash_kept_after_warmup", "1L-layer-dropout", "leak", "past backward"),
     (FAULTS + "recomputed_held_to_backward_end", "2L-layer-manual-attn", "recomputed-held",
      "backward's peak"),

@@ -215,6 +215,23 @@ def test_every_distinct_fault_is_in_the_headline_of_the_terminal_and_report_md()
                            "`A`")
 
 
+def test_faults_a_declaration_settles_come_last_and_more_cases_come_first() -> None:
+    """Most important first: a fault the user's training meets (more failing cases first)
+    before one a declaration settles (torch.autograd.grad written into .grad), however
+    early that one was found."""
+    from gradequiv.harness.reports.diagnosis import distinct_faults
+
+    failures = [_failure("test_gradients", "A", "grad-touched"),
+                _failure("test_outputs", "B", "input-captured"),
+                _failure("test_named_case[one]", "C", "rng-not-restored"),
+                _failure("test_named_case[two]", "D", "rng-not-restored"),
+                _failure("test_named_case[three]", "E", "grad-touched")]
+    assert [f["cause"] for f in distinct_faults(failures)] == [
+        "rng-not-restored", "input-captured", "grad-touched"]
+    assert [f["found_in"] for f in distinct_faults(failures)] == [
+        "named case one", "minimal failure 2", "minimal failure 1"]
+
+
 def test_two_different_exceptions_are_two_faults_and_one_exception_is_one() -> None:
     """"raised" is no fault of its own: the exception is. The same exception on cases of
     other shapes (numbers in its message) stays one fault."""

@@ -36,7 +36,8 @@ __all__ = ["CAUSES", "MEMORY_FINDINGS", "Diagnosis", "diagnose", "distinct_fault
            "divergence_cause", "fault_key", "state_name"]
 
 #: Every cause a diagnosis can name.
-CAUSES = ("raised", "output-structure", "refuses-autograd-grad", "refuses-pattern",
+CAUSES = ("raised", "input-captured", "output-structure", "refuses-autograd-grad",
+          "refuses-pattern",
           "in-flight-state",
           "second-pass", "autocast-from-backward", "trainable-misread", "autocast-cast-cache",
           "process", "process-state",
@@ -120,8 +121,9 @@ def _further_faults(cause: str, failure: dict[str, Any], record: dict[str, Any] 
     no buffer and no byte count; a stream left moved (the rng property's story), buffers
     that differ while the re-run's values match, a memory finding, a gradient missing on
     one path are each a fault of their own."""
-    if record is None or record.get("error") or cause in ("process", "raised", "other"):
-        return []
+    if record is None or record.get("error") or cause in ("process", "raised", "other",
+                                                          "input-captured"):
+        return []  # a captured argument's lost gradients and re-runs are its own doing
     texts = {name: _texts(record, name) for name in failing}
     found: list[tuple[str, str]] = []
     story = _story(texts)
@@ -223,6 +225,8 @@ def _cause(failure: dict[str, Any], record: dict[str, Any] | None,
                 f"design, as with torch's reentrant checkpoint, declare "
                 f"`gradequiv_unsupported = (\"autograd-grad\",)` on the callable and those "
                 f"cases are skipped")
+        if failure.get("captured"):
+            return "input-captured", _captured(failure, record, raised=last)
         if _STRUCTURE_CHANGED in last:
             return "output-structure", last[last.index(_STRUCTURE_CHANGED) + len(_ERROR_NAME):]
         refused = _refused_pattern(last, record)
@@ -242,8 +246,10 @@ def _cause(failure: dict[str, Any], record: dict[str, Any] | None,
                 failure, "model input: ") else None
             if found is not None:
                 return found[0], f"{found[1]}; the re-run then raised: {last}"
+        frames = record.get("user_frames") or []
+        at = f" (in your code at {frames[-1]})" if frames else ""
         return "raised", (f"the implementation raised during {record.get('error_at') or 'the run'}"
-                          f": {last}")
+                          f": {last}{at}")
     texts = {name: _texts(record, name) for name in failing}
     leaked = [t for t in texts.get("rng", []) if "changed torch's global state" in t]
     if leaked:
@@ -261,6 +267,8 @@ def _cause(failure: dict[str, Any], record: dict[str, Any] | None,
     if failure.get("needs_autocast_cache") and not op:
         return "autocast-cast-cache", _autocast_cache(failure, (record or {}).get("case") or {},
                                                       texts)
+    if failure.get("captured"):
+        return "input-captured", _captured(failure, record)
     extra = next((t for t in texts.get("gradients", []) if "exists only on the recompute" in t
                   or "absent on the full-storage path" in t), "")
     if extra or any("its forward ran under no_grad" in t for t in texts.get("recompute", [])):
@@ -657,6 +665,33 @@ _STREAM_FIX = {
 }
 
 
+def _captured(failure: dict[str, Any], record: dict[str, Any] | None, *, raised: str = "") -> str:
+    """The input-captured sentence: which argument the checkpoint reached by closure (or in
+    a container) instead of passing it to its autograd.Function, what that did, the fix,
+    and the user's line that calls the segment (``captured``: the experiment of
+    ``engine/captured.py``)."""
+    found = failure["captured"]
+    names = found["arguments"]
+    what = (f"the segment's argument{'s' if len(names) > 1 else ''} "
+            f"{', '.join(f'`{n}`' for n in names)}")
+    if raised:
+        did = (f"its re-run's inner backward goes on from {'them' if len(names) > 1 else 'it'} "
+               f"into the caller's graph and frees it, so the next backward through that graph "
+               f"raises ({raised})")
+    else:
+        missing = _missing({"gradients": _texts(record, "gradients")})
+        lost = f" ({missing[0].split(':')[0]})" if missing else ""
+        did = (f"no gradient reaches {'them' if len(names) > 1 else 'it'} through the "
+               f"checkpoint{lost}, and where none of the Function's inputs requires grad "
+               f"nothing is recomputed")
+    at = f"; the segment is called at {found['frame']}" if found.get("frame") else ""
+    return (f"the checkpoint captures {what} (a tensor reached through a closure or a "
+            f"container) instead of passing it to its autograd.Function as an input: {did}; "
+            f"passed as an input, the fault goes away (tried: {', '.join(names)} passed "
+            f"positionally); pass every tensor argument, keyword and nested ones too, as an "
+            f"input of the Function and re-run on detached copies{at}")
+
+
 def _stream_moved(story: str, texts: dict[str, list[str]], *, step1: bool) -> str:
     """The rng-stream-moved sentence: what the recompute left the caller's stream at (the
     story verify tells: rewound, advanced or reseeded) and where that first shows (after
@@ -880,14 +915,23 @@ def fault_key(cause: str, sentence: str) -> str:
     return f"raised: {re.sub(r'[0-9]+', 'N', raised)}"
 
 
+#: Causes a declaration settles (``gradequiv_unsupported``): the implementation refuses, or
+#: cannot serve, a way of training the user may never run; listed after the faults that
+#: break the training they do run.
+DECLARABLE = ("refuses-autograd-grad", "refuses-pattern", "grad-touched")
+
+
 def distinct_faults(failures: list[dict[str, Any]]) -> list[dict[str, str]]:
     """Every distinct fault among ``failures`` (minimal failures, named cases' among them),
-    most important first: the drawn minimal failures' causes in their order (each case's
-    headline cause, then its further faults), then causes that only named cases showed.
-    Each with the case that shows it first and the commands that replay it."""
+    most important first: faults no declaration settles before those one does
+    (``DECLARABLE``), and among each, those more failing cases show first; in a tie, the
+    drawn minimal failures' causes in their order (each case's headline cause, then its
+    further faults), then causes that only named cases showed. Each with the case that
+    shows it first and the commands that replay it."""
     drawn = [f for f in failures if not str(f.get("test", "")).startswith("test_named_case")]
     named = [f for f in failures if str(f.get("test", "")).startswith("test_named_case")]
     found: dict[str, dict[str, str]] = {}
+    seen: dict[str, set[str]] = {}  # fault -> the cases that show it
     numbers: dict[str, int] = {}
     for failure in [*drawn, *named]:
         diagnosis = failure.get("diagnosis") or {}
@@ -906,5 +950,9 @@ def distinct_faults(failures: list[dict[str, Any]]) -> list[dict[str, str]]:
                      "reproduce": str(failure["reproduce"])}
             if failure.get("reproduce_file"):  # the short command, its case in a file
                 fault["reproduce_file"] = str(failure["reproduce_file"])
-            found.setdefault(fault_key(part["cause"], part["sentence"]), fault)
-    return list(found.values())
+            key = fault_key(part["cause"], part["sentence"])
+            found.setdefault(key, fault)
+            seen.setdefault(key, set()).add(str(failure["reproduce"]))
+    order = list(found)
+    return [found[key] for key in sorted(order, key=lambda k: (
+        found[k]["cause"] in DECLARABLE, -len(seen[k]), order.index(k)))]

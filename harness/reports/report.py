@@ -15,6 +15,7 @@ from dataclasses import asdict
 from importlib.metadata import PackageNotFoundError, version
 from typing import TYPE_CHECKING, Any
 
+from gradequiv.harness.errors import user_frames
 from gradequiv.harness.options import CheckOptions
 from gradequiv.harness.reports.diagnosis import Diagnosis, diagnose, distinct_faults
 from gradequiv.harness.reports.text import bounded_texts
@@ -164,6 +165,8 @@ def verdict_record(impl: Implementation, verdict: Verdict, device: torch.device,
         "held_on": verdict.held_on,
         "properties": properties,
     }
+    if verdict.error:  # the lines of the user's own files the exception went through
+        record["user_frames"] = user_frames(verdict.error)
     if not verdict.floor_measured:  # it passed at a zero floor, or the floor cannot matter
         record["floor_measured"] = False
     if not verdict.passed:  # every gradient's error, for a heatmap of where the fault sits
