@@ -19,9 +19,9 @@ from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any
 
-from gradequiv.harness.engine.schedules import PIPELINE_SCHEDULES
 from gradequiv.harness.errors import InvalidArgument
 from gradequiv.models.kinds import DTYPES, GRAD_MODES, SCHEDULES
+from gradequiv.models.kinds import PIPELINE_SCHEDULE_NAMES as PIPELINE_SCHEDULES
 
 __all__ = ["BACKWARDS", "EVERYTHING", "KEYS", "MAX_LOSS_PARTS", "Regime", "describe",
            "find_pyproject", "stated_regime"]

@@ -9,8 +9,8 @@ from __future__ import annotations
 
 __all__ = ["ACCUMULATED_MICRO_BATCHES", "BACKWARD_AUTOCAST", "BATCHNORM", "CASE_FEATURES",
            "DRAWN_MODELS", "DTYPES", "EXTERNAL", "GRAD_MODES", "INPLACE_OPS", "MODEL_KINDS",
-           "OPT_IN_GRAD_MODES", "RETAIN_GRAPH", "SCHEDULES", "SCHEDULE_MICRO_BATCHES", "TRAINABLE",
-           "TRANSFORMER"]
+           "OPT_IN_GRAD_MODES", "PIPELINE_SCHEDULE_NAMES", "RETAIN_GRAPH", "SCHEDULES",
+           "SCHEDULE_MICRO_BATCHES", "TRAINABLE", "TRANSFORMER"]
 
 TRANSFORMER = "transformer"  # the reference transformer (models/transformer.py)
 BATCHNORM = "batchnorm"  # the BatchNorm MLP of the buffers property (models/batchnorm.py)
@@ -49,6 +49,10 @@ INPLACE_OPS = "inplace-ops"
 #: forward after each backward); ``summed`` (every forward, one backward of the summed loss,
 #: as data-parallel code often does).
 SCHEDULES = ("one", "gpipe", "gpipe-reverse", "1f1b", "summed")
+#: torch.distributed.pipelining's schedules, by the names ``--schedule`` and a training
+#: regime's ``pipeline-schedules`` take (their classes: ``harness/engine/schedules.py``).
+PIPELINE_SCHEDULE_NAMES = ("gpipe", "1f1b", "interleaved-1f1b", "looped-bfs",
+                           "interleaved-zero-bubble", "zbv-zero-bubble", "dualpipev")
 #: Micro-batches per optimizer step under ``accumulate`` (with the schedule ``one``).
 ACCUMULATED_MICRO_BATCHES = 2
 #: Micro-batches per optimizer step under each schedule but ``one``.

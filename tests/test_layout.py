@@ -29,7 +29,7 @@ PACKAGES = {"harness": "gradequiv.harness", "models": "gradequiv.models",
 LAYERS: tuple[tuple[str, ...], ...] = (
     # models.kinds: the names of the model kinds, pure data that the options validate with.
     ("gradequiv.harness.errors", "gradequiv.harness.validate", "gradequiv.harness.options",
-     "gradequiv.models.kinds"),
+     "gradequiv.models.kinds", "gradequiv.harness.regime"),
     ("gradequiv.models",),
     ("gradequiv.harness.implementations",),
     ("gradequiv.harness.engine",),
@@ -53,7 +53,7 @@ KNOWN_VIOLATIONS: dict[tuple[str, str], str] = {
 #: Imported by every pytest run (the plugin) or before a command is chosen: no torch.
 LIGHT_MODULES = ("gradequiv", "gradequiv.harness.errors", "gradequiv.harness.validate",
                  "gradequiv.harness.options", "gradequiv.models.kinds", "gradequiv.harness.cli",
-                 "gradequiv.properties.plugin",
+                 "gradequiv.properties.plugin", "gradequiv.harness.regime",
                  # check's supervisor, and what it writes a report with after a crash
                  "gradequiv.harness.commands.supervise", "gradequiv.harness.reports.report",
                  "gradequiv.harness.reports.schema_check")

@@ -8,6 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from gradequiv.harness.errors import InvalidArgument
+from gradequiv.models.kinds import PIPELINE_SCHEDULE_NAMES
 
 __all__ = ["ONE_STAGE_SCHEDULES", "PIPELINE_SCHEDULES", "Pipelining"]
 
@@ -39,6 +40,7 @@ PIPELINE_SCHEDULES: dict[str, _ScheduleKind] = {
     "dualpipev": _ScheduleKind("ScheduleDualPipeV", 2, "v", min_micro_batches_per_stage=1,
                                split_backward=True),
 }
+assert tuple(PIPELINE_SCHEDULES) == PIPELINE_SCHEDULE_NAMES, "name every schedule in both"
 #: the schedules that take exactly one stage per rank, and those that take exactly two
 ONE_STAGE_SCHEDULES = ("gpipe", "1f1b")
 _TWO_IN_A_V = ("zbv-zero-bubble", "dualpipev")
