@@ -57,6 +57,7 @@ def test_write_puts_check_s_files_in_a_folder(failing, tmp_path):
     assert "autocast" in (folder / "report.md").read_text()
 
 
+@pytest.mark.slow
 def test_a_declaration_is_honoured_as_check_honours_it(hand_written):
     """my_checkpoint_fixed claims no double backward and declines autograd.grad: a case of
     either is refused before it runs, as `check --case` refuses it (exit 2)."""
@@ -75,6 +76,7 @@ def test_an_object_without_a_name_runs_in_this_process_and_says_so(hand_written)
     assert str(report).endswith("verdict: pass")
 
 
+@pytest.mark.slow
 def test_a_timeout_ends_a_hanging_implementation():
     import wrong_impls
 
@@ -107,6 +109,7 @@ def test_caller_mistakes_are_invalid_argument(hand_written):
         check("hand_written:no_such_function", case=BF16)
 
 
+@pytest.mark.slow
 def test_assert_equivalent_fails_with_the_diagnosis(hand_written):
     with pytest.raises(AssertionError, match="likely cause: the recompute runs addmm"):
         assert_equivalent(hand_written.my_checkpoint, case=BF16, in_process=True)

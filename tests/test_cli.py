@@ -97,6 +97,7 @@ def test_same_seed_same_report_and_another_seed_another(
     assert cases("6", "c") != cases("5", "a")
 
 
+@pytest.mark.slow
 def test_an_implementation_that_raises_fails_every_case_and_the_run_goes_on(
         tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     code, _, _ = check(capsys, "--impl", "wrong_impls:raises_in_backward", "--examples", "3",
@@ -218,6 +219,7 @@ def test_long_runs_print_progress_lines(monkeypatch: pytest.MonkeyPatch,
     assert "FAILED: 1L x" in progress[0]
 
 
+@pytest.mark.slow
 def test_shards_split_the_named_cases_and_draw_different_cases(
         tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     names, drawn = [], []

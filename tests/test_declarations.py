@@ -174,6 +174,7 @@ def test_a_declaration_without_a_refusal_behind_it_is_caught() -> None:
         "2L-layer-autograd-grad-dropout"]
 
 
+@pytest.mark.slow
 def test_torch_s_own_refusal_by_design_is_not_applicable_and_the_check_passes(
         tmp_path: Any, capfd: pytest.CaptureFixture[str]) -> None:
     """A user's checkpoint built on torch's selective checkpoint, no declaration: the cases

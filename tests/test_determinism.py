@@ -14,6 +14,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+import pytest
 from hypothesis.internal.conjecture import engine
 
 TESTS = Path(__file__).resolve().parent
@@ -42,6 +43,7 @@ def _failing_run(folder: Path) -> dict[str, Any]:
     return dict(json.loads((folder / "report.json").read_text()))
 
 
+@pytest.mark.slow
 def test_two_failing_runs_of_one_seed_give_one_report(tmp_path: Path) -> None:
     first, second = _failing_run(tmp_path / "a"), _failing_run(tmp_path / "b")
     assert first["minimal_failures"], "the run must fail, or it proves nothing"

@@ -185,6 +185,7 @@ def test_nccl_needs_one_gpu_per_rank() -> None:
         verify_distributed(resolve("torch"), CASE, device="cuda")
 
 
+@pytest.mark.slow
 def test_a_run_writes_report_json_as_check_does_with_each_ranks_verdict(
         tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     """One author: report.json validates against check's schema, its verdict decided the same

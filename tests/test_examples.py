@@ -23,6 +23,7 @@ def _small_cases() -> list:
             and c.grad_mode not in ("autograd-grad", "create-graph")]
 
 
+@pytest.mark.slow
 def test_the_hand_written_recompute_fails_exactly_the_autocast_cases() -> None:
     failed = {c.name for c in _small_cases() if not verify("hand_written:my_checkpoint", c).passed}
     assert failed == {c.name for c in _small_cases() if c.dtype.endswith("-autocast")}
@@ -35,6 +36,7 @@ def test_the_examples_declare_autograd_grad_unsupported() -> None:
         assert "autograd-grad" not in resolve(f"hand_written:{name}").grad_modes
 
 
+@pytest.mark.slow
 def test_the_fixed_hand_written_recompute_passes() -> None:
     for case in _small_cases():
         verdict = verify("hand_written:my_checkpoint_fixed", case)

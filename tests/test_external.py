@@ -16,6 +16,7 @@ from gradequiv.models.external import reproducibility_problem
 MODEL = "user_models:residual_stack"
 
 
+@pytest.mark.slow
 def test_torch_passes_on_a_user_model_and_the_report_names_it(
         tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["check", "--impl", "torch", "--model", MODEL, "--examples", "3",
@@ -27,6 +28,7 @@ def test_torch_passes_on_a_user_model_and_the_report_names_it(
     assert gradients["name"] == "gradients" and gradients["compared"] > 0
 
 
+@pytest.mark.slow
 def test_no_rng_restore_is_caught_and_located_in_the_user_s_dropout(
         tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["check", "--impl", "torch", "--impl-kwarg", "preserve_rng_state=false",

@@ -341,6 +341,7 @@ def test_a_floor_that_cannot_change_a_verdict_is_not_measured_and_says_so(
     assert measured
 
 
+@pytest.mark.slow
 def test_a_leaking_run_searches_op_by_op_only_its_drawn_minimal_failure(
         tmp_path: Path) -> None:
     """A leak shows in bytes alone: the drawn minimal failure is searched op by op (and

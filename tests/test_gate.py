@@ -65,6 +65,7 @@ def test_a_report_dir_that_is_a_file_is_a_usage_error(
     assert err.startswith("gradequiv: error: --report-dir=") and "cannot be written" in err
 
 
+@pytest.mark.slow
 def test_an_implementation_that_ends_the_process_with_0_fails_the_gate(tmp_path: Path) -> None:
     _stale_pass(tmp_path)
     done = _gate(tmp_path, "wrong_impls:exits_quietly", *ONE)
@@ -97,6 +98,7 @@ def test_the_gate_passes_its_own_whole_report(tmp_path: Path) -> None:
     assert (tmp_path / "report.html").exists()
 
 
+@pytest.mark.slow
 def test_an_interrupt_keeps_every_case_that_finished(
         tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     """Cases are written as they finish, not when their property test ends."""

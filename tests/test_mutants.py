@@ -96,6 +96,7 @@ def test_the_mutants_command_catches_all_and_passes_the_correct(tmp_path: object
     assert summary["valid"] >= 42
 
 
+@pytest.mark.slow
 def test_an_interrupted_mutants_run_keeps_what_finished(tmp_path: object,
                                                         monkeypatch: pytest.MonkeyPatch) -> None:
     """After the first outcome the run is interrupted: mutants.json holds it, incomplete."""

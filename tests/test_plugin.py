@@ -107,6 +107,7 @@ def test_the_report_is_written_with_every_case_and_the_regimes(
     assert sum(v for k, v in regimes.items() if k.startswith("dtype")) == 3 + len(default_cases())
 
 
+@pytest.mark.slow
 def test_a_broken_implementation_shrinks_to_one_layer_and_its_command_fails_again(
         pytester: pytest.Pytester, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     result = run(pytester, "--gradequiv-impl=torch", "--gradequiv-impl-kwarg",

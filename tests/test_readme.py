@@ -9,6 +9,7 @@ import importlib.util
 import re
 from pathlib import Path
 
+import pytest
 from doc_blocks import read_page, run_page, runs_here
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -76,6 +77,7 @@ def test_every_block_says_how_it_is_checked() -> None:
     assert page.unmarked == [], f"README.md: unmarked blocks at lines {page.unmarked}"
 
 
+@pytest.mark.slow
 def test_every_marked_block_runs_as_written(tmp_path: Path) -> None:
     """Every block that can run here runs (one that needs a library that is not installed,
     such as transformers, is left out and not counted), and most need nothing extra."""

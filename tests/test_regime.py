@@ -212,6 +212,7 @@ def test_the_plugin_reads_the_table_and_its_own_option(pytester: pytest.Pytester
     wrong.stderr.fnmatch_lines(["*--gradequiv-regime: dtypes = 'fp64': 'fp64' is not one of*"])
 
 
+@pytest.mark.slow
 def test_a_checkpoint_exact_under_1f1b_passes_a_check_stated_as_1f1b(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
         capfd: pytest.CaptureFixture[str]) -> None:

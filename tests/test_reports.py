@@ -140,6 +140,7 @@ def test_fail_on_verdict_gates(reports: dict[str, Path]) -> None:
     assert main(["report", str(reports["pass"]), "--format", "md", "--fail-on-verdict"]) == 0
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("how", [signal.SIGTERM, signal.SIGKILL], ids=["sigterm", "sigkill"])
 def test_a_killed_run_leaves_a_valid_report_marked_incomplete(
         tmp_path: Path, how: signal.Signals) -> None:

@@ -77,6 +77,7 @@ def test_an_exit_at_the_first_call_leaves_a_report_with_no_case(tmp_path: Path) 
     assert main(["report", str(tmp_path), "--format", "md", "--fail-on-verdict"]) == 1
 
 
+@pytest.mark.slow
 def test_a_hang_in_the_first_case_leaves_a_report_with_the_line(tmp_path: Path) -> None:
     done = _check("--impl", "wrong_impls:hangs", *ONE, "--case-timeout", "3",
                   "--report-dir", str(tmp_path), timeout=300)
@@ -103,6 +104,7 @@ def test_a_run_killed_before_its_child_started_has_a_report_already(tmp_path: Pa
     assert bundle.report["complete"] is False
 
 
+@pytest.mark.slow
 def test_a_kill_mid_run_names_the_signal(tmp_path: Path) -> None:
     done = _check("--impl", "wrong_impls:killed_later", *MANY, "--report-dir", str(tmp_path))
     assert done.returncode == 1, done.stderr
@@ -110,6 +112,7 @@ def test_a_kill_mid_run_names_the_signal(tmp_path: Path) -> None:
     _ended_report(tmp_path)
 
 
+@pytest.mark.slow
 def test_a_hang_is_stopped_after_the_case_timeout(tmp_path: Path) -> None:
     started = time.monotonic()
     done = _check("--impl", "wrong_impls:hangs_later", *MANY, "--case-timeout", "3",
@@ -120,6 +123,7 @@ def test_a_hang_is_stopped_after_the_case_timeout(tmp_path: Path) -> None:
     _ended_report(tmp_path)
 
 
+@pytest.mark.slow
 def test_a_hang_is_one_line_not_an_interruption(
         monkeypatch: pytest.MonkeyPatch, capfd: pytest.CaptureFixture[str]) -> None:
     """Nobody interrupted: one line says which case hung, not pytest's KeyboardInterrupt
@@ -238,6 +242,7 @@ def test_a_fault_of_the_harness_in_the_child_is_said_as_its_own(
         assert json.loads(pipe.read()) == {"event": "end", "code": 1}
 
 
+@pytest.mark.slow
 def test_sigterm_reaches_the_child_which_keeps_its_finished_cases(tmp_path: Path) -> None:
     marker = tmp_path / "slow-now"
     env = dict(os.environ, PYTHONPATH=str(TESTS), GRADEQUIV_TEST_SLEEP_AFTER=str(marker))
@@ -259,6 +264,7 @@ def test_sigterm_reaches_the_child_which_keeps_its_finished_cases(tmp_path: Path
     assert report["cases"]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("how", [signal.SIGTERM, signal.SIGINT], ids=["sigterm", "sigint"])
 def test_a_stop_ends_a_child_that_ignores_signals(tmp_path: Path, how: signal.Signals) -> None:
     """An implementation that ignores SIGINT and SIGTERM and works on: the run still stops
