@@ -29,6 +29,7 @@ def ranks() -> Iterator[RankPool]:
         yield pool
 
 
+@pytest.mark.slow
 def test_torch_checkpoint_matches_full_storage_under_every_engine(
         capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["distributed", "--impl", "torch", "--case", CASE.name]) == 0

@@ -31,6 +31,7 @@ def failing_run(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     return {"code": code, "out": out.getvalue(), "report": report, "folder": folder}
 
 
+@pytest.mark.slow
 def test_a_failing_default_run_keeps_a_report_under_a_megabyte(
         failing_run: dict[str, Any]) -> None:
     assert failing_run["code"] == 1
@@ -38,6 +39,7 @@ def test_a_failing_default_run_keeps_a_report_under_a_megabyte(
     assert size < 1_000_000, f"report.json is {size} bytes"
 
 
+@pytest.mark.slow
 def test_cases_tried_while_shrinking_are_counted_not_kept(failing_run: dict[str, Any]) -> None:
     report = failing_run["report"]
     assert report["summary"]["shrink_attempts"] > 0
@@ -47,6 +49,7 @@ def test_cases_tried_while_shrinking_are_counted_not_kept(failing_run: dict[str,
     assert len(kept) == len(report["cases"]) == report["summary"]["run"]
 
 
+@pytest.mark.slow
 def test_one_fault_is_shrunk_once_and_its_minimal_case_reused(
         failing_run: dict[str, Any]) -> None:
     failures = failing_run["report"]["minimal_failures"]
@@ -57,6 +60,7 @@ def test_one_fault_is_shrunk_once_and_its_minimal_case_reused(
         assert failure["reproduce"] == founder["reproduce"]
 
 
+@pytest.mark.slow
 def test_the_cause_is_said_first_and_each_minimal_failure_once(
         failing_run: dict[str, Any]) -> None:
     out, report = failing_run["out"], failing_run["report"]
@@ -71,6 +75,7 @@ def test_the_cause_is_said_first_and_each_minimal_failure_once(
     assert "/gradequiv-" not in summary  # no temporary folder of the suite
 
 
+@pytest.mark.slow
 def test_a_later_test_meeting_a_fault_already_shrunk_reports_it_unshrunk(
         failing_run: dict[str, Any]) -> None:
     """With only the RNG not restored, test_outputs finds outputs that differ (a later
@@ -87,6 +92,7 @@ def test_a_later_test_meeting_a_fault_already_shrunk_reports_it_unshrunk(
     assert "[not shrunk: same cause as minimal failure 1]" in failing_run["out"]
 
 
+@pytest.mark.slow
 def test_the_short_reproduce_line_replays_the_case_from_its_file(
         failing_run: dict[str, Any], tmp_path: Path) -> None:
     first = failing_run["report"]["minimal_failures"][0]
@@ -249,6 +255,7 @@ def test_two_different_exceptions_are_two_faults_and_one_exception_is_one() -> N
     assert [f["reproduce"] for f in distinct_faults(failures)] == ["A", "C"]
 
 
+@pytest.mark.slow
 def test_shrink_tries_skip_the_memory_watch_and_the_minimal_case_is_kept_whole(
         failing_run: dict[str, Any]) -> None:
     """Cases tried while shrinking a property other than recompute watch no memory (and run
@@ -315,6 +322,7 @@ def test_a_failing_verdict_measures_the_floor_for_its_figures() -> None:
     assert not verdict.passed and verdict.floor_measured and "floor" in verdict.seconds
 
 
+@pytest.mark.slow
 def test_a_floor_that_cannot_change_a_verdict_is_not_measured_and_says_so(
         failing_run: dict[str, Any]) -> None:
     """A case failing past its dtype's cap fails at any noise floor: its floor path does not

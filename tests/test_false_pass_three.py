@@ -33,6 +33,7 @@ def _check(impl: str, folder: Path) -> subprocess.CompletedProcess[str]:
                           timeout=600, check=False)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(("impl", "said"), [
     ("forging_at_import:my_checkpoint", "the implementation's process replaced torch.equal"),
     ("forging_impls:equal_always", "the implementation's process replaced torch.equal"),

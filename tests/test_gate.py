@@ -41,6 +41,7 @@ def _gate(folder: Path, impl: str, *extra: str) -> subprocess.CompletedProcess[s
                           check=False)
 
 
+@pytest.mark.slow
 def test_a_run_clears_what_an_earlier_run_left_and_says_who_wrote_the_report(
         tmp_path: Path, capsys: pytest.CaptureFixture[str],
         monkeypatch: pytest.MonkeyPatch) -> None:

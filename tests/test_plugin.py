@@ -168,6 +168,7 @@ def test_each_xdist_worker_gets_its_own_gpu_round_robin() -> None:
     assert gpu_for_worker("gw0", []) is None and gpu_for_worker("master", visible) is None
 
 
+@pytest.mark.slow
 def test_xdist_workers_see_one_gpu_each(pytester: pytest.Pytester, tmp_path: Path,
                                         monkeypatch: pytest.MonkeyPatch) -> None:
     """The worker pins CUDA_VISIBLE_DEVICES at configure time, before any test runs."""

@@ -46,6 +46,7 @@ def _ended_report(folder: Path) -> dict[str, Any]:
     return report
 
 
+@pytest.mark.slow
 def test_an_exit_mid_run_fails_and_keeps_every_finished_case(tmp_path: Path) -> None:
     done = _check("--impl", "wrong_impls:exits_later", *MANY, "--report-dir", str(tmp_path))
     assert done.returncode == 1, done.stderr
@@ -143,6 +144,7 @@ def test_a_hang_is_one_line_not_an_interruption(
                                                  "during "), hung
 
 
+@pytest.mark.slow
 def test_sys_exit_in_the_implementation_is_its_failure(tmp_path: Path) -> None:
     done = _check("--impl", "wrong_impls:calls_sys_exit", *ONE, "--no-shrink",
                   "--report-dir", str(tmp_path))

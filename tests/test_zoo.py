@@ -143,6 +143,7 @@ def _passes(name: str) -> dict[str, Any]:
             "checks": {column: dict(cell) for column in zoo.CONFIGS}}
 
 
+@pytest.mark.slow
 def test_a_hang_or_a_crash_is_a_row_and_the_sweep_goes_on() -> None:
     lines: list[str] = []
     rows = zoo.sweep(["hang", "crash", "fine"], seconds=2, check=_passes,
