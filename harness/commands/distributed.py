@@ -618,6 +618,7 @@ def run(args: Any) -> int:
         raise InvalidArgument("--wrapper=user needs --parallelize MODULE:FUNCTION, your "
                               "function (model, mesh) -> model")
     regime = stated_regime(args.regime or None)
+    args.regime = regime  # read once: the report's options take it whole
     args.micro_batches = args.micro_batches or regime.micro_batches
     _check_split(args, engines)
     _check_pool(args.world_size, args.device, args.parallelize)
@@ -820,7 +821,7 @@ class RunReport:
         self.folder, self.impl, self.args = folder, impl, args
         self.options = check_options(impl=impl.spec, adapter=impl.adapter, seed=args.seed,
                                      examples=args.examples, profile="ci", report_dir=folder,
-                                     regime=stated_regime(args.regime or None))
+                                     regime=args.regime)
         self.identity = run_identity()
         self.records: list[dict[str, Any]] = []
 
